@@ -1,0 +1,62 @@
+"""The one module that imports mpi4py.
+
+The profiler, the probe and the runtime share it.  MPI functions elsewhere take
+``comm=None`` and resolve it here (default ``COMM_WORLD``), like dask-mpi.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from hpcsplit.errors import WorldSizeError
+
+__all__ = ["get_comm", "check_world_size", "abort", "mpi_library_version", "MPI"]
+
+# Initialise threads only as needed; the runtime polls from one thread.
+import mpi4py
+
+mpi4py.rc.thread_level = "serialized"
+from mpi4py import MPI  # noqa: E402
+
+
+def get_comm(comm: Any | None = None) -> Any:
+    """Return ``comm`` or ``MPI.COMM_WORLD``."""
+    return MPI.COMM_WORLD if comm is None else comm
+
+
+def check_world_size(comm: Any | None = None, expected: int | None = None) -> None:
+    """Fail loudly when the MPI world does not match SLURM's task count or ``expected``.
+
+    Without ``srun --mpi=pmi2`` (or ``SLURM_MPI_TYPE``) srun starts N singleton
+    worlds of size 1; each would think it is alone.
+    """
+    comm = get_comm(comm)
+    size = comm.Get_size()
+    ntasks = os.environ.get("SLURM_NTASKS") if os.environ.get("SLURM_STEP_ID") is not None else None
+    if ntasks is not None and int(ntasks) != size:
+        raise WorldSizeError(
+            f"MPI world size is {size} but SLURM started {ntasks} tasks (SLURM_NTASKS). "
+            "srun started separate singleton MPI worlds: run the step with `srun --mpi=pmi2` "
+            "or `export SLURM_MPI_TYPE=pmi2` (cluster.slurm.srun_mpi in the config)."
+        )
+    if expected is not None and expected != size:
+        raise WorldSizeError(
+            f"this job needs {expected} MPI ranks but runs with {size}; "
+            f"start it with `mpiexec -n {expected}` (or --ntasks={expected} under SLURM)."
+        )
+
+
+def abort(comm: Any | None = None, code: int = 1) -> None:
+    """Flush stdio and abort every rank of the job (never returns)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        get_comm(comm).Abort(code)
+
+
+def mpi_library_version() -> str:
+    """First line of the MPI library's version string (e.g. ``MPICH Version: 5.0.2``)."""
+    return MPI.Get_library_version().strip().splitlines()[0]

@@ -1,0 +1,288 @@
+"""Measuring one profile cell: latency, peak memory, utilization (used by ``profiling.py``).
+
+[Note: profile measurement]
+- Latency: CUDA events around each timed run on GPU (synchronised once at the end),
+  ``time.perf_counter`` on CPU.  ``warmup`` untimed runs come first.
+- Peak memory: on GPU ``torch.cuda.max_memory_allocated`` over the timed runs (parameters,
+  inputs and activations; allocator cache and CUDA context excluded).  On CPU there is no
+  allocator statistic, so one extra untimed run is traced with a ``TorchDispatchMode`` that
+  adds up the bytes of the storages the ops allocate while they are alive; the figure is
+  parameters + inputs + that peak (workspaces inside kernels and malloc caching excluded).
+- Utilization: on GPU the mean NVML ``utilization.gpu`` sampled by a background thread
+  during a steady window of back-to-back runs (``util_window_ms``), NaN without NVML.  On
+  CPU, per the profile contract, ``threads / cores_per_node``; the measured process CPU
+  time / (wall x threads) of the timed runs is stored as ``cpu_busy_fraction``.
+- Slices: GB on GPU (GiB, 2**30 bytes) enforced with
+  ``torch.cuda.set_per_process_memory_fraction`` (a soft cap on PyTorch's allocator, not a
+  hardware partition); CPU threads via ``torch.set_num_threads`` on CPU.
+- Batch sizes grow within a (component, slice) row; after the first out-of-memory the larger
+  batch sizes of that row are not run and are marked ``oom`` and ``oom_inferred``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import numpy as np
+
+__all__ = ["GIB", "Measurement", "apply_slice", "measure_callable"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """What :func:`measure_callable` measured for one cell."""
+
+    latency_ms: tuple[float, ...]  # empty when oom
+    peak_mem_bytes: float
+    utilization: float
+    cpu_busy_fraction: float
+    oom: bool
+    input_bytes: int
+    output_bytes: int
+    error: str = ""
+
+
+def _tensor_bytes(xs: Any) -> int:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return int(sum(t.numel() * t.element_size() for t in tree_leaves(xs) if isinstance(t, torch.Tensor)))
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+def _live_bytes_mode() -> Any:
+    """A ``TorchDispatchMode`` that tracks the peak of live bytes allocated by ops (CPU peak memory)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class _LiveBytes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = 0
+            self.peak = 0
+            self._ptrs: set[int] = set()
+
+        def _free(self, ptr: int, n: int) -> None:
+            if ptr in self._ptrs:
+                self._ptrs.discard(ptr)
+                self.live -= n
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            in_ptrs = {
+                t.untyped_storage().data_ptr()
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                st = t.untyped_storage()
+                ptr, n = st.data_ptr(), st.nbytes()
+                if n == 0 or ptr in in_ptrs or ptr in self._ptrs:
+                    continue  # a view / in-place result, or already counted
+                self._ptrs.add(ptr)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(st, self._free, ptr, n)
+            return out
+
+    return _LiveBytes()
+
+
+class _NvmlSampler:
+    """Sample NVML GPU utilization in a background thread; NaN when NVML is unavailable."""
+
+    def __init__(self, torch_device_index: int, sample_ms: float) -> None:
+        self._handle: Any = None
+        self._nvml: Any = None
+        self._samples: list[float] = []
+        self._stop = threading.Event()
+        self._period_s = max(sample_ms, 1.0) / 1e3
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml  # nvidia-ml-py
+            import torch
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            props = torch.cuda.get_device_properties(torch_device_index)
+            uuid = str(getattr(props, "uuid", "") or "")
+            if uuid:
+                uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            else:
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch_device_index)
+        except Exception:  # noqa: BLE001 - NVML missing or unsupported (MIG): utilization is NaN
+            self._handle = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._samples.append(float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+            except Exception:  # noqa: BLE001
+                return
+            self._stop.wait(self._period_s)
+
+    def __enter__(self) -> Self:
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._run, name="hpcsplit-nvml", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def mean_fraction(self) -> float:
+        # NVML reports the share of the last sample period with a kernel running; the first
+        # sample may cover time before the window, so drop it when there are others.
+        s = self._samples[1:] if len(self._samples) > 1 else self._samples
+        return float(np.mean(s)) / 100.0 if s else math.nan
+
+
+def measure_callable(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    *,
+    warmup: int = 2,
+    iters: int = 10,
+    device: Any = "cpu",
+    param_bytes: int = 0,
+    threads: int | None = None,
+    cores_per_node: int | None = None,
+    util_window_ms: float = 500.0,
+    util_sample_ms: float = 20.0,
+) -> Measurement:
+    """Measure one cell: ``warmup`` runs, then ``iters`` timed runs of ``fn(*inputs)``.
+
+    Parameters
+    ----------
+    fn, inputs
+        The component and its positional input tensors (already on ``device``).
+    device
+        ``"cpu"`` or a CUDA device; selects the timer and the memory statistic.
+    param_bytes
+        Bytes of the component's parameters (added to the CPU peak-memory figure).
+    threads, cores_per_node
+        CPU only: the slice, giving ``utilization = threads / cores_per_node``.
+
+    Returns
+    -------
+    Measurement
+        ``oom=True`` with empty latencies when the runs ran out of memory.
+    """
+    import torch
+
+    dev = torch.device(device)
+    in_bytes = _tensor_bytes(inputs)
+    out_bytes = -1
+    try:
+        with torch.no_grad():
+            for _ in range(warmup):
+                out = fn(*inputs)
+            if dev.type == "cuda":
+                lat, peak, util, out = _time_cuda(fn, inputs, dev, iters, util_window_ms, util_sample_ms)
+                busy = math.nan
+            else:
+                lat, busy, out = _time_cpu(fn, inputs, iters, threads or torch.get_num_threads())
+                mode = _live_bytes_mode()
+                with mode:
+                    out = fn(*inputs)
+                peak = float(param_bytes + in_bytes + mode.peak)
+                util = (threads or torch.get_num_threads()) / cores_per_node if cores_per_node else math.nan
+            out_bytes = _tensor_bytes(out)
+            del out
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        if dev.type == "cuda":
+            peak = float(torch.cuda.max_memory_allocated(dev))
+        else:
+            peak = math.nan
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return Measurement(
+            (), peak, math.nan, math.nan, True, in_bytes, out_bytes, f"{type(e).__name__}: {e}"
+        )
+    return Measurement(tuple(lat), peak, util, busy, False, in_bytes, out_bytes)
+
+
+def _time_cpu(
+    fn: Callable[..., Any], inputs: Sequence[Any], iters: int, threads: int
+) -> tuple[list[float], float, Any]:
+    lat = []
+    out = None
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn(*inputs)
+        lat.append((time.perf_counter() - t0) * 1e3)
+    cpu1, wall1 = time.process_time(), time.perf_counter()
+    busy = (cpu1 - cpu0) / max((wall1 - wall0) * threads, 1e-12)
+    return lat, float(busy), out
+
+
+def _time_cuda(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    dev: Any,
+    iters: int,
+    util_window_ms: float,
+    util_sample_ms: float,
+) -> tuple[list[float], float, float, Any]:
+    import torch
+
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    out = None
+    for start, end in ev:
+        start.record()
+        out = fn(*inputs)
+        end.record()
+    torch.cuda.synchronize(dev)
+    lat = [start.elapsed_time(end) for start, end in ev]
+    peak = float(torch.cuda.max_memory_allocated(dev))
+    util = math.nan
+    if util_window_ms > 0:
+        sampler = _NvmlSampler(dev.index or 0, util_sample_ms)
+        deadline = time.perf_counter() + util_window_ms / 1e3
+        with sampler:
+            while time.perf_counter() < deadline:
+                out = fn(*inputs)
+                torch.cuda.synchronize(dev)
+        util = sampler.mean_fraction()
+    return lat, peak, util, out
+
+
+def apply_slice(kind: str, slice_value: float, dev: Any) -> None:
+    import torch
+
+    if kind == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+        frac = min(1.0, slice_value * GIB / total)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(frac, dev)
+    else:
+        torch.set_num_threads(int(slice_value))

@@ -1,0 +1,400 @@
+"""SLURM side of the launch layer: submitit parameters, the job function, waiting with progress.
+
+Only :mod:`hpcsplit.launch` imports this module; submitit is imported inside functions so that a
+login node without SLURM never needs it.
+
+[Note: SLURM job shape]
+One MPI stage is one SLURM job of ``nodes x tasks_per_node`` tasks (``cluster.slurm``), or exactly
+``ranks`` tasks when the stage fixes its rank count (a plan's world size, ``profile.ranks``,
+``launcher.ranks``): then ``nodes = min(nodes, ranks)`` and ``tasks_per_node = ceil(ranks / nodes)``,
+with ``--ntasks=ranks`` when that does not divide evenly.  submitit writes the sbatch script; its
+srun line gets ``--mpi=<srun_mpi> --kill-on-bad-exit=1`` (the setup lines also export
+``SLURM_MPI_TYPE``), so the tasks form one MPI world and one dead task ends the step instead of
+leaving the others blocked in a collective.  Each task runs :func:`job_main`, which is
+``hpcsplit._rank.run_rank``: it checks the world size against ``SLURM_NTASKS`` and aborts the whole
+job on any exception.  Rank 0 writes its return value as JSON (``_rank.result_path``); the
+login side reads that file, never submitit's result pickle.
+
+[Note: waiting without hanging]
+submitit's ``job.result()`` polls ``sacct`` at growing intervals and can wait forever on a job that
+died without a result when accounting is broken.  :func:`wait_for_job` polls on its own:
+``squeue`` for live jobs, then ``sacct``, then ``scontrol show job`` for finished ones, each with a
+subprocess timeout.  A job that left the queue without a result is reported at once with its state,
+exit code, the ``[rank N]`` error lines and the tail of its logs.  A job that neither squeue,
+sacct nor scontrol knows for ``_VANISHED_S`` seconds is reported as lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcsplit import _rank
+from hpcsplit.errors import ConfigError, LaunchError
+
+__all__ = [
+    "JobGeometry",
+    "JobStatus",
+    "geometry",
+    "executor_parameters",
+    "sbatch_text",
+    "job_main",
+    "job_status",
+    "submit",
+    "wait_for_job",
+    "run_mpi_slurm",
+]
+
+_ACTIVE = frozenset(
+    {
+        "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+        "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED", "RESV_DEL_HOLD", "PREEMPTED",
+    }
+)
+_VANISHED_S = 60.0
+_RESULT_GRACE_S = 10.0
+_CMD_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobGeometry:
+    """Nodes and tasks of one SLURM job (see ``[Note: SLURM job shape]``)."""
+
+    nodes: int
+    tasks_per_node: int
+    ntasks: int
+
+    @property
+    def even(self) -> bool:
+        return self.nodes * self.tasks_per_node == self.ntasks
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    """A job's state as the scheduler reports it; ``source`` names the command that answered."""
+
+    state: str
+    exit_code: str | None = None
+    elapsed: str | None = None
+    source: str = "none"
+
+    @property
+    def active(self) -> bool:
+        return self.state in _ACTIVE or self.state == "UNKNOWN"
+
+
+def _slurm_cfg(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    slurm = (cfg.get("cluster") or {}).get("slurm")
+    if not isinstance(slurm, Mapping):
+        name = (cfg.get("cluster") or {}).get("name")
+        raise ConfigError(
+            f"launcher=slurm needs a cluster with a `slurm:` block; cluster={name!r} has none. "
+            "Use cluster=dev or cluster=perlmutter, or add a slurm block to your conf/cluster/<site>.yaml."
+        )
+    return slurm
+
+
+def geometry(cfg: Mapping[str, Any], ranks: int | None = None) -> JobGeometry:
+    """The job shape for ``ranks`` MPI ranks (None: the cluster's nodes x tasks_per_node).
+
+    Examples
+    --------
+    >>> cfg = {"cluster": {"nodes": 2, "slurm": {"tasks_per_node": 4}}}
+    >>> geometry(cfg), geometry(cfg, 3), geometry(cfg, 1)
+    (JobGeometry(nodes=2, tasks_per_node=4, ntasks=8), JobGeometry(nodes=2, tasks_per_node=2, ntasks=3), \
+JobGeometry(nodes=1, tasks_per_node=1, ntasks=1))
+    """
+    slurm = _slurm_cfg(cfg)
+    nodes = int(slurm.get("nodes") or (cfg.get("cluster") or {}).get("nodes") or 1)
+    if ranks is None:
+        tpn = int(slurm.get("tasks_per_node") or 1)
+        return JobGeometry(nodes, tpn, nodes * tpn)
+    nodes = max(1, min(nodes, ranks))
+    return JobGeometry(nodes, math.ceil(ranks / nodes), ranks)
+
+
+def executor_parameters(cfg: Mapping[str, Any], stage: str, ranks: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``submitit.SlurmExecutor.update_parameters`` for one stage's job."""
+    slurm = _slurm_cfg(cfg)
+    geo = geometry(cfg, ranks)
+    params: dict[str, Any] = {
+        "job_name": f"hpcsplit-{stage}",
+        "time": int(slurm.get("time_min") or 30),
+        "nodes": geo.nodes,
+        "ntasks_per_node": geo.tasks_per_node,
+        "cpus_per_task": int(slurm.get("cpus_per_task") or 1),
+        "wckey": None,
+        "setup": [str(s) for s in (slurm.get("setup") or [])],
+    }
+    for key in ("partition", "account", "qos", "constraint"):
+        if slurm.get(key):
+            params[key] = str(slurm[key])
+    if slurm.get("gpus_per_node"):
+        params["gpus_per_node"] = int(slurm["gpus_per_node"])
+    if slurm.get("mem_gb"):
+        params["mem"] = f"{int(slurm['mem_gb'])}GB"
+    srun_args = ["--kill-on-bad-exit=1"]
+    mpi = slurm.get("srun_mpi", "pmi2")
+    if mpi:
+        srun_args.insert(0, f"--mpi={mpi}")
+        if not any("SLURM_MPI_TYPE" in s for s in params["setup"]):
+            params["setup"].append(f"export SLURM_MPI_TYPE={mpi}")
+    params["srun_args"] = srun_args
+    extra = dict(slurm.get("sbatch_args") or {})
+    if not geo.even:
+        extra["ntasks"] = geo.ntasks
+    if extra:
+        params["additional_parameters"] = extra
+    return params
+
+
+def _submit_command(folder: str | Path, python: str | None = None) -> str:
+    py = shlex.quote(sys.executable) if python is None else python
+    return f"{py} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
+def sbatch_text(
+    cfg: Mapping[str, Any], stage: str, ranks: int | None, folder: str | Path, python: str | None = None
+) -> str:
+    """The sbatch script submitit would submit for ``stage`` (used by the golden test and ``--dry``)."""
+    from submitit.slurm import slurm as submitit_slurm
+
+    params = executor_parameters(cfg, stage, ranks)
+    return submitit_slurm._make_sbatch_string(command=_submit_command(folder, python), folder=folder, **params)
+
+
+def job_main(entry: str, cfg: dict[str, Any], run_dir: str) -> Any:
+    """What every SLURM task runs (submitit calls it inside ``srun``): ``_rank.run_rank``.
+
+    Any exception prints ``[rank N] ...`` and aborts every rank (``comm.Abort(1)``); the world size
+    is checked against ``SLURM_NTASKS`` first.
+    """
+    _rank.run_rank(entry, cfg, run_dir)
+    return None  # rank 0's value is in the result JSON; nothing to pickle
+
+
+def _run(cmd: list[str]) -> str | None:
+    """stdout of ``cmd``, or None when it fails, times out or does not exist."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def job_status(job_id: str) -> JobStatus:
+    """Ask squeue, then sacct, then scontrol about ``job_id`` (see ``[Note: waiting without hanging]``)."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%M"])
+    if out and out.strip():
+        state, _, elapsed = out.strip().splitlines()[0].partition("|")
+        return JobStatus(state.strip(), None, elapsed.strip() or None, "squeue")
+    out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Elapsed"])
+    if out and out.strip():
+        fields = out.strip().splitlines()[0].split("|") + ["", ""]
+        return JobStatus(fields[0].split()[0] if fields[0] else "UNKNOWN", fields[1] or None, fields[2] or None, "sacct")
+    out = _run(["scontrol", "show", "job", "-o", job_id])
+    if out and "JobState=" in out:
+        kv = dict(tok.partition("=")[::2] for tok in out.split() if "=" in tok)
+        return JobStatus(kv.get("JobState", "UNKNOWN"), kv.get("ExitCode"), kv.get("RunTime"), "scontrol")
+    return JobStatus("UNKNOWN")
+
+
+def _tail(path: Path, n: int = 25) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str) -> str:
+    """A failed job's state, rank error lines and log tails, as one message."""
+    logs = sorted(folder.glob(f"{job_id}_*_log.err")) + sorted(folder.glob(f"{job_id}_*_log.out"))
+    rank_lines: list[str] = []
+    srun_lines: list[str] = []
+    for log in logs:
+        for line in _tail(log, 400):
+            if line.startswith("[rank ") and line not in rank_lines:
+                rank_lines.append(line)
+            elif line.startswith(("srun: error", "slurmstepd: error")) and line not in srun_lines:
+                srun_lines.append(line)
+    err0 = folder / f"{job_id}_0_log.err"
+    parts = [
+        f"SLURM job {job_id} (stage={stage}) ended {status.state} (exit code {status.exit_code or '?'}) "
+        "without a result.",
+    ]
+    if rank_lines:
+        parts += ["Rank errors:", *(f"  {x}" for x in rank_lines[:20])]
+    if srun_lines:
+        parts += ["srun:", *(f"  {x}" for x in srun_lines[:10])]
+    if not rank_lines and not srun_lines:
+        parts += [f"Tail of {err0}:", *(f"  {x}" for x in _tail(err0))]
+    parts.append(f"Logs: {folder}/{job_id}_<task>_log.{{out,err}}")
+    if status.state in ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"):
+        parts.append("Raise cluster.slurm.time_min / mem_gb, or resubmit (a preempted job can be requeued).")
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class SubmittedJob:
+    """A submitted stage: id, log folder and where rank 0's result will appear."""
+
+    job_id: str
+    folder: Path
+    result: Path
+    stage: str
+    ntasks: int
+    time_min: int
+
+
+def submit(entry: str, cfg: dict[str, Any], run_dir: Path, stage: str, ranks: int | None = None) -> SubmittedJob:
+    """Submit ``entry`` as one SLURM job through submitit (does not wait)."""
+    try:
+        import submitit
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise LaunchError("launcher=slurm needs submitit: pip install submitit") from e
+    if shutil.which("sbatch") is None:
+        raise LaunchError(
+            "launcher=slurm but there is no `sbatch` on PATH: run on a SLURM login node, or use "
+            "launcher=local (or start a dev cluster with slurm/dev-cluster.sh up)."
+        )
+    params = executor_parameters(cfg, stage, ranks)
+    folder = Path(run_dir) / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    result = _rank.result_path(run_dir, entry)
+    result.unlink(missing_ok=True)
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    try:
+        ex.update_parameters(**params)
+    except ValueError as e:
+        raise ConfigError(f"submitit rejected the SLURM parameters {sorted(params)}: {e}") from e
+    try:
+        job = ex.submit(job_main, entry, cfg, str(run_dir))
+    except Exception as e:  # noqa: BLE001 - sbatch refused: show its message
+        raise LaunchError(
+            f"sbatch refused the {stage} job ({', '.join(f'{k}={v}' for k, v in params.items() if k != 'setup')}):"
+            f"\n{e}\nCheck partition/account/qos in cluster.slurm (sinfo, sacctmgr show assoc user=$USER)."
+        ) from e
+    geo = geometry(cfg, ranks)
+    return SubmittedJob(str(job.job_id), folder, result, stage, geo.ntasks, int(params["time"]))
+
+
+def wait_for_job(
+    job: SubmittedJob,
+    timeout_s: float | None = None,
+    poll_s: float = 2.0,
+    poll_max_s: float = 30.0,
+    progress_s: float = 30.0,
+    echo: Callable[[str], None] = print,
+    status_fn: Callable[[str], JobStatus] = job_status,
+) -> Any:
+    """Wait for ``job`` with progress lines; return rank 0's result or raise :class:`LaunchError`.
+
+    Parameters
+    ----------
+    job : SubmittedJob
+    timeout_s : float, optional
+        Limit on the whole wait; None: the job's time limit plus 5 minutes once it runs (a pending
+        job waits as long as the queue takes, printing progress).
+    poll_s, poll_max_s : float
+        First and largest interval between scheduler polls (the interval grows on long jobs).
+    progress_s : float
+        A progress line at least this often, and at every state change.
+    echo : callable
+        Where progress lines go.
+    status_fn : callable
+        ``job_id -> JobStatus`` (tests replace it).
+    """
+    t0 = time.monotonic()
+    run_t0: float | None = None
+    last_state, last_echo, unknown_since = "", 0.0, None
+    interval = poll_s
+    status = JobStatus("UNKNOWN")
+    try:
+        while True:
+            now = time.monotonic()
+            status = status_fn(job.job_id)
+            if status.state == "RUNNING" and run_t0 is None:
+                run_t0 = now
+            if status.state != last_state or now - last_echo >= progress_s:
+                echo(f"[hpcsplit] job {job.job_id} {job.stage}: {status.state:<11} elapsed {_fmt(now - t0)}")
+                last_state, last_echo = status.state, now
+            if not status.active:
+                break
+            if status.state == "UNKNOWN" and status.source == "none":
+                unknown_since = now if unknown_since is None else unknown_since
+                if now - unknown_since > _VANISHED_S:
+                    break
+            else:
+                unknown_since = None
+            limit = timeout_s
+            if limit is None and run_t0 is not None:
+                limit = (run_t0 - t0) + job.time_min * 60 + 300
+            if limit is not None and now - t0 > limit:
+                _scancel(job.job_id)
+                raise LaunchError(
+                    f"gave up waiting for SLURM job {job.job_id} ({job.stage}) after {_fmt(now - t0)} "
+                    f"(state {status.state}); cancelled it. Raise launcher.timeout_min or cluster.slurm.time_min. "
+                    f"Logs: {job.folder}"
+                )
+            time.sleep(interval)
+            interval = min(poll_max_s, max(poll_s, (time.monotonic() - t0) / 10))
+    except KeyboardInterrupt:
+        _scancel(job.job_id)
+        echo(f"[hpcsplit] interrupted: cancelled job {job.job_id}")
+        raise
+    deadline = time.monotonic() + _RESULT_GRACE_S
+    while status.state == "COMPLETED" and not job.result.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)  # shared filesystems may show the file late
+    if status.state == "COMPLETED" and job.result.exists():
+        echo(f"[hpcsplit] job {job.job_id} {job.stage}: COMPLETED in {_fmt(time.monotonic() - t0)}; "
+             f"logs in {job.folder}")
+        return json.loads(job.result.read_text())
+    if status.state == "UNKNOWN":
+        status = JobStatus("LOST (no scheduler knows it)", None, None, "none")
+    raise LaunchError(failure_report(job.job_id, job.folder, status, job.stage))
+
+
+def _scancel(job_id: str) -> None:
+    _run(["scancel", job_id])
+
+
+def _fmt(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:d}:{s:02d}"
+
+
+def run_mpi_slurm(
+    entry: str,
+    cfg: dict[str, Any],
+    run_dir: Path,
+    stage: str,
+    ranks: int | None = None,
+    echo: Callable[[str], None] = print,
+) -> Any:
+    """Submit ``entry`` as one SLURM job, wait with progress and return rank 0's result."""
+    launcher = cfg.get("launcher") or {}
+    job = submit(entry, cfg, run_dir, stage, ranks)
+    echo(
+        f"[hpcsplit] submitted {stage} as SLURM job {job.job_id} ({job.ntasks} task(s)); "
+        f"logs: {job.folder}/{job.job_id}_<task>_log.{{out,err}}"
+    )
+    timeout_min = launcher.get("timeout_min")
+    return wait_for_job(
+        job,
+        timeout_s=None if timeout_min is None else float(timeout_min) * 60,
+        poll_s=float(launcher.get("poll_s") or 2),
+        poll_max_s=float(launcher.get("poll_max_s") or 30),
+        progress_s=float(launcher.get("progress_s") or 30),
+        echo=echo,
+    )
+

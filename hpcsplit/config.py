@@ -1,0 +1,239 @@
+"""Configuration helpers that need no Hydra: where ``conf/`` is, argv shortcuts, validation.
+
+[Note: input shortcuts]
+``python -m hpcsplit stage=analyze profile=PATH`` is rewritten before Hydra parses it:
+``profile`` is a config group, so a value that is not one of its options but looks like a path
+becomes ``profile.path=/abs/PATH``.  ``plan`` and ``switchboard`` are top-level keys; their paths
+are made absolute (``plan=/abs/PATH``) so that SLURM jobs started from another folder find them.
+Option names (``profile=default``), ``null``, sweeps (``a,b``) and dotted keys are left alone.
+
+Validation collects every problem of the launch-related config and raises one
+:class:`~hpcsplit.errors.ConfigError`; other stages validate their own sections.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpcsplit.errors import ConfigError
+
+__all__ = [
+    "STAGES",
+    "LAUNCHERS",
+    "MPI_STAGES",
+    "conf_dir",
+    "rewrite_argv",
+    "launch_problems",
+    "validate",
+]
+
+STAGES = ("export", "profile", "analyze", "allocate", "serve", "bench", "probe", "sbatch", "all")
+MPI_STAGES = ("probe", "profile", "serve", "bench")
+LAUNCHERS = ("local", "slurm")
+SRUN_MPI = ("pmi2", "pmix", "pmix_v2", "pmix_v3", "pmix_v4", "pmix_v5", "pmi", "cray_shasta", "none")
+
+# Keys of the argv shortcut: key -> True when it is a config group (value goes to KEY.path).
+_SHORTCUTS = {"profile": True, "plan": False, "switchboard": False}
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_./:+@~%-]+$")
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` folder: at the repository root (editable install) or inside the package.
+
+    Raises
+    ------
+    ConfigError
+        When neither exists (a non-editable install without package data).
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "conf", here / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise ConfigError(
+        f"found no conf/config.yaml next to the hpcsplit package ({here.parent / 'conf'}); "
+        "install hpcsplit from a source checkout with `pip install -e .` (see scripts/setup.sh)."
+    )
+
+
+def _group_options(key: str, conf: Path | None) -> set[str] | None:
+    """Option names of config group ``key`` (None when ``key`` is not a group folder)."""
+    if conf is None:
+        return None
+    folder = conf / key
+    if not folder.is_dir():
+        return None
+    return {p.stem for p in folder.glob("*.yaml")}
+
+
+def _looks_like_path(value: str) -> bool:
+    return "/" in value or "." in value or value.startswith("~") or os.path.exists(value)
+
+
+def _quote(value: str) -> str:
+    if _SAFE_VALUE.match(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def rewrite_argv(argv: Sequence[str], conf: Path | None = None, cwd: Path | None = None) -> list[str]:
+    """Rewrite the ``profile=PATH`` / ``plan=PATH`` / ``switchboard=PATH`` shortcuts.
+
+    See ``[Note: input shortcuts]``.
+
+    Parameters
+    ----------
+    argv : sequence of str
+        Command-line overrides (without the program name).
+    conf : Path, optional
+        The conf folder (default :func:`conf_dir`), used to list group options.
+    cwd : Path, optional
+        Base of relative paths (default the current folder).
+
+    Returns
+    -------
+    list of str
+
+    Examples
+    --------
+    >>> rewrite_argv(["stage=analyze", "profile=runs/p.h5"], conf=None, cwd=Path("/w"))
+    ['stage=analyze', 'profile.path=/w/runs/p.h5']
+    >>> rewrite_argv(["plan=out/plan.json", "profile=default", "+experiment=clip"], conf=None, cwd=Path("/w"))
+    ['plan=/w/out/plan.json', 'profile=default', '+experiment=clip']
+    """
+    if conf is None:
+        try:
+            conf = conf_dir()
+        except ConfigError:
+            conf = None
+    base = Path.cwd() if cwd is None else cwd
+    out: list[str] = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq or key not in _SHORTCUTS or value in ("", "null") or "," in value or "(" in value:
+            out.append(arg)
+            continue
+        options = _group_options(key, conf)
+        is_group = _SHORTCUTS[key] or options is not None
+        if options is not None and value in options:
+            out.append(arg)
+            continue
+        if is_group and not _looks_like_path(value):
+            out.append(arg)  # let Hydra list the group's options
+            continue
+        path = Path(os.path.expanduser(value))
+        path = path if path.is_absolute() else base / path
+        target = f"{key}.path" if is_group else key
+        out.append(f"{target}={_quote(os.path.normpath(path))}")
+    return out
+
+
+def _get(cfg: Mapping[str, Any] | None, dotted: str, default: Any = None) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _check_int(errs: list[str], name: str, value: Any, lo: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        more = " or null" if allow_none else ""
+        errs.append(f"{name} = {value!r}: needs an integer >= {lo}{more}")
+
+
+def _check_num(errs: list[str], name: str, value: Any, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        errs.append(f"{name} = {value!r}: needs a number > 0" + (" or null" if allow_none else ""))
+
+
+def launch_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Every problem of the launch-related config (stage, launcher, cluster.slurm); empty when valid."""
+    errs: list[str] = []
+    stage = cfg.get("stage")
+    if stage not in STAGES:
+        errs.append(f"stage = {stage!r}: needs one of {list(STAGES)}")
+    launcher = _get(cfg, "launcher.name")
+    if launcher not in LAUNCHERS:
+        errs.append(f"launcher.name = {launcher!r}: needs one of {list(LAUNCHERS)} (launcher=local|slurm)")
+    _check_int(errs, "launcher.ranks", _get(cfg, "launcher.ranks"), 1, allow_none=True)
+    _check_num(errs, "launcher.timeout_min", _get(cfg, "launcher.timeout_min"))
+    for key in ("poll_s", "poll_max_s", "progress_s"):
+        _check_num(errs, f"launcher.{key}", _get(cfg, f"launcher.{key}"))
+    if _get(cfg, "profile.ranks") is not None:
+        _check_int(errs, "profile.ranks", _get(cfg, "profile.ranks"), 1)
+    args = _get(cfg, "launcher.mpiexec_args")
+    if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) for a in args)):
+        errs.append(f"launcher.mpiexec_args = {args!r}: needs a list of strings")
+    if launcher == "slurm":
+        errs.extend(slurm_problems(cfg))
+    return errs
+
+
+def slurm_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Problems of ``cluster.slurm`` for ``launcher=slurm``."""
+    errs: list[str] = []
+    cluster = cfg.get("cluster")
+    name = _get(cfg, "cluster.name")
+    slurm = _get(cfg, "cluster.slurm")
+    if not isinstance(cluster, Mapping) or not isinstance(slurm, Mapping):
+        errs.append(
+            f"launcher=slurm needs a cluster with a `slurm:` block, but cluster={name!r} has none; "
+            "use a preset from conf/cluster/ (cluster=dev, cluster=perlmutter) or add a slurm block"
+        )
+        return errs
+    _check_int(errs, "cluster.nodes", cluster.get("nodes", 1), 1)
+    _check_int(errs, "cluster.slurm.nodes", slurm.get("nodes"), 1, allow_none=True)
+    _check_int(errs, "cluster.slurm.time_min", slurm.get("time_min", 30), 1)
+    _check_int(errs, "cluster.slurm.tasks_per_node", slurm.get("tasks_per_node", 1), 1)
+    _check_int(errs, "cluster.slurm.cpus_per_task", slurm.get("cpus_per_task", 1), 1)
+    _check_int(errs, "cluster.slurm.gpus_per_node", slurm.get("gpus_per_node", 0), 0, allow_none=True)
+    _check_num(errs, "cluster.slurm.mem_gb", slurm.get("mem_gb"))
+    mpi = slurm.get("srun_mpi", "pmi2")
+    if mpi is not None and str(mpi) not in SRUN_MPI:
+        errs.append(f"cluster.slurm.srun_mpi = {mpi!r}: needs one of {list(SRUN_MPI)} (MPICH: pmi2)")
+    setup = slurm.get("setup") or []
+    if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
+        errs.append(f"cluster.slurm.setup = {setup!r}: needs a list of shell lines")
+    for key in ("partition", "account", "qos", "constraint"):
+        v = slurm.get(key)
+        if v is not None and (not isinstance(v, str) or not v.strip() or any(c.isspace() for c in v)):
+            errs.append(f"cluster.slurm.{key} = {v!r}: needs a name without spaces, or null")
+    extra = slurm.get("sbatch_args")
+    if extra is not None and not isinstance(extra, Mapping):
+        errs.append(f"cluster.slurm.sbatch_args = {extra!r}: needs a mapping of sbatch option -> value")
+    return errs
+
+
+def validate(
+    cfg: Mapping[str, Any],
+    checks: Iterable[Callable[[Mapping[str, Any]], list[str]]] = (),
+) -> None:
+    """Raise one :class:`ConfigError` listing every problem found by :func:`launch_problems` and ``checks``.
+
+    Examples
+    --------
+    >>> validate({"stage": "probe", "launcher": {"name": "local"}})
+    >>> try:
+    ...     validate({"stage": "nope", "launcher": {"name": "local", "ranks": 0}})
+    ... except ConfigError as e:
+    ...     print(str(e).splitlines()[0])
+    2 config problem(s):
+    """
+    errs = launch_problems(cfg)
+    for check in checks:
+        errs.extend(check(cfg))
+    if errs:
+        lines = "\n".join(f"  - {e}" for e in errs)
+        raise ConfigError(
+            f"{len(errs)} config problem(s):\n{lines}\n"
+            "Fix them on the command line (key=value) or in conf/; `python -m hpcsplit --cfg job` shows the config."
+        )

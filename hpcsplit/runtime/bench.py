@@ -1,0 +1,214 @@
+"""Bench mode on the frontend: open-loop levels per variant, then results files, table and plots.
+
+Files under ``<run_dir>/bench/``: ``requests.h5`` (per variant and QPS: arrival, done, latency, status
+per request; and the summary table), ``summary.csv`` (one row per variant and QPS: achieved QPS,
+success rate, p50/p90/p99), ``improvement.csv`` (the prototype's table), ``latency_vs_qps.png`` and
+``throughput_vs_qps.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcsplit.runtime.frontend import Frontend
+from hpcsplit.runtime.loadgen import LevelSummary, arrival_times, format_table, improvement_rows, summarize
+
+__all__ = ["BENCH_DEFAULTS", "bench_settings", "critical_path_floor_ms", "finish", "run_levels"]
+
+BENCH_DEFAULTS: dict[str, Any] = {
+    "qps": [1, 2, 4, 8],
+    "duration_s": 10.0,
+    "arrival": "poisson",
+    "warmup_s": 2.0,
+    "seed": 0,
+    "request_timeout_s": None,  # None: runtime.request_timeout_s
+    "input_pool": 4,
+}
+
+
+def bench_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    b = dict(BENCH_DEFAULTS)
+    b.update({k: v for k, v in (cfg.get("bench") or {}).items() if v is not None})
+    b["qps"] = [float(q) for q in (b["qps"] if isinstance(b["qps"], list | tuple) else [b["qps"]])]
+    return b
+
+
+def _say(msg: str) -> None:
+    print(f"[rank 0] {msg}", file=sys.stderr, flush=True)
+
+
+def run_levels(ctx: Any, fe: Frontend, variant: str) -> dict[str, Any]:
+    """Warm up, then one open-loop level per ``bench.qps``; returns summaries and per-request arrays."""
+    b = bench_settings(ctx.cfg)
+    rt = ctx.rt
+    timeout = float(b["request_timeout_s"] or rt["request_timeout_s"])
+    pool = [torch.as_tensor(x) for x in ctx.sb.example_inputs(int(b["input_pool"]))]
+    k = int(pool[0].shape[0])
+
+    def get(idx: np.ndarray) -> list[torch.Tensor]:
+        t = torch.as_tensor(idx % k)
+        return [x.index_select(0, t) for x in pool]
+
+    if b["warmup_s"] and b["warmup_s"] > 0:
+        fe.run(arrival_times(b["qps"][0], float(b["warmup_s"]), "constant"), get, None, timeout,
+               int(rt["max_inflight"]))
+    levels, raw = [], []
+    for i, q in enumerate(b["qps"]):
+        arr = arrival_times(q, float(b["duration_s"]), str(b["arrival"]), int(b["seed"]) + i)
+        res = fe.run(arr, get, None, timeout, int(rt["max_inflight"]))
+        s = summarize(variant, q, res.arrival_s, res.done_s, res.ok)
+        levels.append(s)
+        raw.append({"qps": q, "request_ids": res.request_ids, "arrival_s": res.arrival_s,
+                    "admit_s": res.admit_s, "done_s": res.done_s, "status": res.status})
+        _say(f"bench {variant:>5} qps {q:>7g}: achieved {s.achieved_qps:8.2f} req/s, ok {s.success_rate:6.1%}, "
+             f"p50 {s.p50_ms:8.2f} ms, p90 {s.p90_ms:8.2f} ms, p99 {s.p99_ms:8.2f} ms ({s.n_requests} requests)")
+    return {"levels": levels, "raw": raw}
+
+
+def critical_path_floor_ms(ctx: Any) -> tuple[float, dict[str, float], str] | None:
+    """Critical path (batch 1, each component at its rank's threads/slice) from the profile, if any."""
+    from hpcsplit.runtime.routing import critical_path_ms, graph_from_switchboard
+
+    prof = ctx.cfg.get("profile")
+    given = prof.get("path") if isinstance(prof, dict) else prof
+    path = Path(given) if given else ctx.run_dir / (ctx.cfg.get("paths") or {}).get("profile_filename", "profile.h5")
+    if not path.exists():
+        return None
+    try:
+        from hpcsplit.profile_io import read_profile
+
+        p = read_profile(path, allow_incomplete=True)
+    except Exception as e:  # noqa: BLE001 - the floor is informative only
+        _say(f"no critical-path floor: cannot read profile {path}: {e}")
+        return None
+    graph = graph_from_switchboard(ctx.sb)
+    lat: dict[str, float] = {}
+    for name, _, _ in graph.components:
+        cp = p.components.get(name)
+        if cp is None or 1 not in cp.batch_sizes:
+            _say(f"no critical-path floor: profile {path} has no batch-1 figures for {name!r}")
+            return None
+        reps = ctx.plan.replicas(name)
+        want = reps[0].threads if ctx.plan.device_kind == "cpu" else (reps[0].slice_gb or 0.0)
+        bi = cp.batch_sizes.index(1)
+        order = sorted(range(len(cp.slices)), key=lambda s: abs(cp.slices[s] - want))
+        vals = [cp.latency_p50_ms(bi, s) for s in order]
+        v = next((x for x in vals if not math.isnan(x)), math.nan)
+        if math.isnan(v):
+            return None
+        lat[name] = v
+    return critical_path_ms(graph, lat), lat, str(path)
+
+
+def _write_h5(path: Path, results: dict[str, Any], rows: list[dict[str, float]]) -> None:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.attrs["schema"] = "hpcsplit.bench/1"
+        for variant, r in results.items():
+            g = f.create_group(variant)
+            for lvl, raw in zip(r["levels"], r["raw"], strict=True):
+                h = g.create_group(f"qps_{lvl.offered_qps:g}")
+                for k, v in lvl.to_dict().items():
+                    h.attrs[k] = v
+                for k in ("request_ids", "arrival_s", "admit_s", "done_s", "status"):
+                    h.create_dataset(k, data=np.asarray(raw[k]))
+                h.create_dataset("latency_ms", data=(raw["done_s"] - raw["arrival_s"]) * 1e3)
+        if rows:
+            s = f.create_group("improvement")
+            for k in rows[0]:
+                s.create_dataset(k, data=np.asarray([r[k] for r in rows], dtype=np.float64))
+
+
+def _plot(out: Path, results: dict[str, Any]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant, r in results.items():
+        q = [s.offered_qps for s in r["levels"]]
+        ax.plot(q, [s.p50_ms for s in r["levels"]], "o-", label=f"{variant} p50")
+        ax.plot(q, [s.p99_ms for s in r["levels"]], "x--", label=f"{variant} p99")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("latency (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "latency_vs_qps.png", dpi=120)
+    plt.close(fig)
+    files.append(str(out / "latency_vs_qps.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    allq: list[float] = []
+    for variant, r in results.items():
+        q = [s.offered_qps for s in r["levels"]]
+        allq += q
+        ax.plot(q, [s.achieved_qps for s in r["levels"]], "o-", label=variant)
+    if allq:
+        ax.plot(sorted(set(allq)), sorted(set(allq)), ":", color="gray", label="offered")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("achieved throughput (requests/s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_qps.png", dpi=120)
+    plt.close(fig)
+    files.append(str(out / "throughput_vs_qps.png"))
+    return files
+
+
+def finish(ctx: Any, results: dict[str, Any]) -> dict[str, Any]:
+    """Write the results files, print the table and the critical-path floor; return a JSON-able summary."""
+    out = ctx.run_dir / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    whole: list[LevelSummary] = results.get("whole", {}).get("levels", [])
+    split: list[LevelSummary] = results.get("split", {}).get("levels", [])
+    rows = improvement_rows(whole, split)
+    with open(out / "summary.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(LevelSummary.__dataclass_fields__))
+        w.writeheader()
+        for r in results.values():
+            for s in r["levels"]:
+                w.writerow(s.to_dict())
+    if rows:
+        with open(out / "improvement.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    _write_h5(out / "requests.h5", results, rows)
+    table = format_table(rows)
+    print(table, flush=True)
+    summary: dict[str, Any] = {"bench_dir": str(out), "table": table,
+                               "levels": [s.to_dict() for r in results.values() for s in r["levels"]],
+                               "improvement": rows}
+    floor = critical_path_floor_ms(ctx)
+    if floor is not None and split:
+        cp, lat, path = floor
+        low = split[0]
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in lat.items())
+        line = (f"low load ({low.offered_qps:g} req/s): split p50 {low.p50_ms:.2f} ms vs critical-path floor "
+                f"{cp:.2f} ms from the profile (batch 1: {parts}) = {low.p50_ms / cp:.2f}x the floor "
+                f"(target <= 1.10x)")
+        if whole:
+            line += f"; whole p50 {whole[0].p50_ms:.2f} ms"
+        print(line, flush=True)
+        summary.update(critical_path_ms=cp, critical_path_components_ms=lat, low_load_vs_floor=low.p50_ms / cp,
+                       profile=path)
+    try:
+        summary["plots"] = _plot(out, results)
+    except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the measurements
+        _say(f"could not plot: {e}")
+    return summary

@@ -1,0 +1,253 @@
+"""The frontend rank (rank 0): admits requests, routes them, collects outputs, enforces timeouts.
+
+One :meth:`Frontend.run` call is one *session*: requests ``0..n-1`` arriving at ``arrivals_s`` (all at 0
+in batch mode, an open-loop schedule in bench mode).  At most ``max_inflight`` requests are inside the
+pipeline at once (so memory is bounded); the rest wait at the frontend, their latency counting from
+their arrival.  A request not finished ``request_timeout_s`` after its arrival is reported failed and
+its late outputs are dropped.  Each admitted request gets a route (:class:`~routing.Router`, fewest
+outstanding per replica); requests admitted in one loop turn for the same replica travel in one
+message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcsplit.errors import RuntimeStageError
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.routing import INPUT, Dataflow, Router
+from hpcsplit.runtime.trace import Tracer
+
+__all__ = ["STATUS_OK", "STATUS_PENDING", "STATUS_TIMEOUT", "Frontend", "RemoteRankError", "SessionResult"]
+
+STATUS_PENDING = 0
+STATUS_OK = 1
+STATUS_TIMEOUT = 2
+
+log = logging.getLogger("hpcsplit.runtime")
+
+
+class RemoteRankError(RuntimeStageError):
+    """A component rank reported an exception (its message names rank, component and requests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionResult:
+    """Per-request timings of one session (times are seconds from the session start)."""
+
+    request_ids: np.ndarray
+    arrival_s: np.ndarray
+    admit_s: np.ndarray
+    done_s: np.ndarray  # NaN where not finished
+    status: np.ndarray  # STATUS_*
+    wall_s: float
+
+    @property
+    def ok(self) -> np.ndarray:
+        return self.status == STATUS_OK
+
+    @property
+    def latency_ms(self) -> np.ndarray:
+        return (self.done_s - self.arrival_s) * 1e3
+
+
+def _decode_error(m: tp.Message) -> str:
+    if m.tensors:
+        return bytes(m.tensors[0].numpy().tobytes()).decode("utf-8", "replace")
+    return f"rank {m.source} failed (no message)"
+
+
+class Frontend:
+    """Rank 0's side of serving a :class:`Dataflow` (see the module docstring)."""
+
+    def __init__(self, comm: Any, dataflow: Dataflow, tracer: Tracer | None = None) -> None:
+        self.comm = comm
+        self.df = dataflow
+        self.router = Router(dataflow)
+        self.tracer = tracer or Tracer(comm.Get_rank(), None, None)
+        self.inbox = tp.Inbox(comm)
+        self.outbox = tp.Outbox()
+        self.next_id = 0
+        self._comp_index = {c.name: c.index for c in dataflow.components}
+        self._entry = [(self._comp_index[c], pairs) for c, pairs in dataflow.entry_groups().items()]
+        self._passthrough = [(j, dataflow.inputs.index(name))
+                             for j, (src, name) in enumerate(dataflow.output_sources) if src == INPUT]
+        self.n_outputs = len(dataflow.outputs)
+
+    # ------------------------------------------------------------------ session
+    def run(
+        self,
+        arrivals_s: np.ndarray,
+        get_inputs: Callable[[np.ndarray], Sequence[torch.Tensor]],
+        on_done: Callable[[int, list[torch.Tensor]], None] | None = None,
+        request_timeout_s: float = 60.0,
+        max_inflight: int = 64,
+        max_admit: int = 256,
+    ) -> SessionResult:
+        """Serve requests ``0..len(arrivals_s)-1``; return their timings.
+
+        Parameters
+        ----------
+        arrivals_s
+            Arrival offsets in seconds (non-decreasing).
+        get_inputs
+            ``idx -> [tensor per model input]`` with ``len(idx)`` rows each (request dim first).
+        on_done
+            Called with ``(idx, [row tensor per model output])`` when a request finishes; None in
+            benchmarks (outputs dropped).
+        request_timeout_s, max_inflight
+            ``runtime.request_timeout_s`` and ``runtime.max_inflight``.
+
+        Raises
+        ------
+        RemoteRankError
+            When a component rank reports an exception (the session's results so far are in
+            ``self.partial``).
+        """
+        n = len(arrivals_s)
+        arrivals = np.asarray(arrivals_s, dtype=np.float64)
+        base = self.next_id
+        self.next_id += n
+        ids = np.arange(base, base + n, dtype=np.int64)
+        admit_s = np.full(n, np.nan)
+        done_s = np.full(n, np.nan)
+        status = np.zeros(n, dtype=np.int8)
+        self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, 0.0)
+        inflight: dict[int, list[Any]] = {}  # idx -> [route, outputs, missing]
+        keep = on_done is not None
+        backoff = tp.Backoff()
+        t0 = time.perf_counter()
+        next_i = 0
+        resolved = 0
+        next_scan = 0.0
+        while resolved < n:
+            now = time.perf_counter() - t0
+            worked = False
+            # ---- admit arrived requests while the window has room
+            adm: list[int] = []
+            while (next_i < n and arrivals[next_i] <= now and len(inflight) + len(adm) < max_inflight
+                   and len(adm) < max_admit):
+                if now - arrivals[next_i] > request_timeout_s:
+                    status[next_i] = STATUS_TIMEOUT
+                    resolved += 1
+                else:
+                    adm.append(next_i)
+                next_i += 1
+            if adm:
+                worked = True
+                resolved += self._admit(adm, inflight, get_inputs, admit_s, done_s, status, now, keep, t0,
+                                        on_done, base)
+            # ---- collect outputs
+            for m, t_hdr in self.inbox.poll():
+                worked = True
+                h = m.header
+                if h.kind == tp.KIND_ERROR:
+                    raise RemoteRankError(_decode_error(m))
+                if h.kind != tp.KIND_DATA:
+                    continue
+                t_now = time.perf_counter()
+                for row, rid in enumerate(h.request_ids):
+                    idx = rid - base
+                    rec = inflight.get(idx)
+                    if rec is None:
+                        continue  # timed out earlier, or another session's straggler
+                    for meta, t in zip(h.tensors, m.tensors, strict=True):
+                        if keep:
+                            rec[1][meta.slot] = t[row:row + 1]
+                        rec[2] -= 1
+                    if rec[2] <= 0:
+                        del inflight[idx]
+                        self.router.release(rec[0])
+                        done_s[idx] = t_now - t0
+                        status[idx] = STATUS_OK
+                        resolved += 1
+                        if on_done is not None:
+                            on_done(idx, rec[1])
+                self.tracer.span("recv_output", t_hdr, t_now, h.request_ids, src=m.source)
+            self.outbox.reap()
+            # ---- timeouts (oldest first), every 10 ms
+            if now >= next_scan:
+                next_scan = now + 0.01
+                expired = []
+                for idx in inflight:
+                    if now - arrivals[idx] > request_timeout_s:
+                        expired.append(idx)
+                    else:
+                        break
+                for idx in expired:
+                    rec = inflight.pop(idx)
+                    self.router.release(rec[0])
+                    status[idx] = STATUS_TIMEOUT
+                    resolved += 1
+                if expired:
+                    worked = True
+                    log.warning("requests %s exceeded runtime.request_timeout_s=%g s and are reported failed",
+                                [int(base + i) for i in expired[:10]] + (["..."] if len(expired) > 10 else []),
+                                request_timeout_s)
+            if worked:
+                backoff.reset()
+            else:
+                wake = t0 + arrivals[next_i] if next_i < n and len(inflight) < max_inflight else None
+                backoff.idle(time.perf_counter(), wake)
+        self.outbox.drain(timeout_s=10.0)
+        self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, time.perf_counter() - t0)
+        return self.partial
+
+    def _admit(self, adm: list[int], inflight: dict[int, list[Any]], get_inputs: Callable[..., Any],
+               admit_s: np.ndarray, done_s: np.ndarray, status: np.ndarray, now: float, keep: bool,
+               t0: float, on_done: Callable[..., None] | None, base: int) -> int:
+        """Route, record and send newly admitted requests; returns how many finished right away."""
+        t_a = time.perf_counter()
+        idx = np.asarray(adm, dtype=np.int64)
+        inputs = get_inputs(idx)
+        routes = []
+        for i in adm:
+            route = self.router.assign()
+            routes.append(route)
+            outs: list[Any] = [None] * self.n_outputs if keep else []
+            inflight[i] = [route, outs, self.n_outputs - len(self._passthrough)]
+            admit_s[i] = now
+        finished = 0
+        if self._passthrough:
+            for k, i in enumerate(adm):
+                rec = inflight[i]
+                if keep:
+                    for j, src in self._passthrough:
+                        rec[1][j] = inputs[src][k:k + 1]
+                if rec[2] <= 0:
+                    del inflight[i]
+                    self.router.release(rec[0])
+                    done_s[i], status[i] = now, STATUS_OK
+                    finished += 1
+                    if on_done is not None:
+                        on_done(i, rec[1])
+        ids = [base + i for i in adm]
+        for ci, pairs in self._entry:
+            groups: dict[int, list[int]] = {}
+            for k, route in enumerate(routes):
+                groups.setdefault(route[ci], []).append(k)
+            for rank, pos in groups.items():
+                if len(pos) == len(adm):
+                    sel = [(slot, inputs[i]) for i, slot in pairs]
+                else:
+                    p = torch.as_tensor(pos, dtype=torch.long)
+                    sel = [(slot, inputs[i].index_select(0, p)) for i, slot in pairs]
+                self.outbox.add(tp.isend_message(self.comm, rank, tp.KIND_DATA, [ids[k] for k in pos],
+                                                 [routes[k] for k in pos], sel))
+        self.tracer.span("admit_send", t_a, time.perf_counter(), ids)
+        return finished
+
+    # ------------------------------------------------------------------ control
+    def stop_all(self) -> None:
+        """Tell every component rank to finish (after its pending work) and return."""
+        ranks = sorted({r for c in self.df.components for r in c.replicas})
+        for r in ranks:
+            self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP))
+        self.outbox.drain(timeout_s=30.0)

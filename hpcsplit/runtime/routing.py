@@ -1,0 +1,364 @@
+"""Dataflow of a served plan, derived from the plan and the switchboard edges: pure data, no MPI.
+
+[Note: serve dataflow]
+``build_dataflow(plan, graph)`` answers, for every rank, everything the rank loop needs and nothing it
+has to compute at run time:
+
+- the frontend sends model input ``i`` to every ``(component, slot)`` in ``input_sinks[i]``;
+- a component replica fills input slot ``k`` from ``sources[k]`` and, after running, sends output
+  ``j`` to every ``(component, slot)`` in ``sinks[j]`` (``"output"`` = the frontend, slot = model output
+  index);
+- a request's *route* is one rank per component (``Dataflow.components`` order), chosen once by the
+  frontend (:class:`Router`, fewest outstanding requests); it travels in every message header so a join
+  component receives all inputs of one request on the same replica.
+
+``whole_graph`` / ``whole_plan`` describe the baseline: the unsplit model served by the same ranks.
+``Dataflow.format()`` prints the whole thing (test it, print it in logs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from hpcsplit.errors import PlanError
+from hpcsplit.runtime.plan import Plan, RankEntry
+
+__all__ = [
+    "INPUT",
+    "OUTPUT",
+    "ComponentFlow",
+    "Dataflow",
+    "GraphSpec",
+    "Router",
+    "build_dataflow",
+    "critical_path_ms",
+    "graph_from_switchboard",
+    "whole_graph",
+    "whole_plan",
+]
+
+INPUT = "input"
+OUTPUT = "output"
+WHOLE = "whole"
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    """The component graph: model inputs/outputs, component port names, and edges.
+
+    ``edges`` are ``(src, src_name, dst, dst_name)`` with ``src`` a component or ``"input"`` and
+    ``dst`` a component or ``"output"`` (the switchboard's ``edges``).  ``components`` is topological.
+    """
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    components: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]  # (name, inputs, outputs)
+    edges: tuple[tuple[str, str, str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentFlow:
+    """Where one component's inputs come from and its outputs go, and who serves it."""
+
+    name: str
+    index: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    sources: tuple[tuple[str, str], ...]  # per input slot: (component | "input", output name)
+    sinks: tuple[tuple[tuple[str, int], ...], ...]  # per output: ((component | "output", slot), ...)
+    replicas: tuple[int, ...]  # ranks, by replica index
+    batch_sizes: tuple[int, ...]  # per replica
+
+
+@dataclass(frozen=True, slots=True)
+class Dataflow:
+    """Everything the ranks need to move one request through the plan (``[Note: serve dataflow]``)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    components: tuple[ComponentFlow, ...]
+    input_sinks: tuple[tuple[tuple[str, int], ...], ...]  # per model input
+    output_sources: tuple[tuple[str, str], ...]  # per model output: (component | "input", name)
+    world_size: int
+    rank_component: dict[int, str] = field(default_factory=dict)
+
+    def component(self, name: str) -> ComponentFlow:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise PlanError(f"no component {name!r} in the dataflow; it has {[c.name for c in self.components]}")
+
+    def component_of_rank(self, rank: int) -> ComponentFlow | None:
+        name = self.rank_component.get(rank)
+        return None if name is None else self.component(name)
+
+    def entry_groups(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Per component fed by model inputs: ``(model input index, slot)`` pairs."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for i, sinks in enumerate(self.input_sinks):
+            for comp, slot in sinks:
+                if comp != OUTPUT:
+                    out.setdefault(comp, []).append((i, slot))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def send_groups(self, name: str) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Per destination of component ``name``: ``(output index, destination slot)`` pairs."""
+        c = self.component(name)
+        out: dict[str, list[tuple[int, int]]] = {}
+        for j, sinks in enumerate(c.sinks):
+            for dst, slot in sinks:
+                out.setdefault(dst, []).append((j, slot))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def format(self) -> str:
+        """A readable description: one line per component and per model input/output."""
+        lines = [f"dataflow: {len(self.components)} component(s), {self.world_size} ranks"]
+        for i, (name, sinks) in enumerate(zip(self.inputs, self.input_sinks, strict=True)):
+            lines.append(f"  input[{i}] {name} -> " + ", ".join(f"{c}[{s}]" for c, s in sinks))
+        for c in self.components:
+            srcs = ", ".join(f"{s}.{n}" for s, n in c.sources)
+            reps = ", ".join(f"r{r}(b{b})" for r, b in zip(c.replicas, c.batch_sizes, strict=True))
+            lines.append(f"  {c.name}: ({srcs}) on [{reps}]")
+            for j, sinks in enumerate(c.sinks):
+                lines.append(f"    out[{j}] {c.outputs[j]} -> " + ", ".join(f"{d}[{s}]" for d, s in sinks))
+        for i, (name, (src, sname)) in enumerate(zip(self.outputs, self.output_sources, strict=True)):
+            lines.append(f"  output[{i}] {name} <- {src}.{sname}")
+        return "\n".join(lines)
+
+
+def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
+    """Derive the :class:`Dataflow` of ``plan`` serving ``graph``.
+
+    Raises
+    ------
+    PlanError
+        Listing every problem: a component without ranks, a plan rank serving an unknown component,
+        an input slot with zero or several sources, a model output without a source.
+
+    Examples
+    --------
+    >>> g = GraphSpec(("x",), ("y",), (("a", ("x",), ("h",)), ("b", ("h",), ("y",))),
+    ...               (("input", "x", "a", "x"), ("a", "h", "b", "h"), ("b", "y", "output", "y")))
+    >>> df = build_dataflow(_toy_plan(["a", "b"]), g)
+    >>> df.input_sinks, df.component("a").sinks, df.output_sources
+    ((('a', 0),), ((('b', 0),),), (('b', 'y'),))
+    """
+    problems: list[str] = []
+    names = [c[0] for c in graph.components]
+    comp_io = {c[0]: (c[1], c[2]) for c in graph.components}
+    sources: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    sinks: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    in_sinks: dict[int, list[tuple[str, int]]] = {i: [] for i in range(len(graph.inputs))}
+    out_src: dict[int, list[tuple[str, str]]] = {i: [] for i in range(len(graph.outputs))}
+
+    def _in_slot(dst: str, dst_name: str) -> int | None:
+        if dst == OUTPUT:
+            if dst_name not in graph.outputs:
+                problems.append(f"edge to unknown model output {dst_name!r} (outputs {list(graph.outputs)})")
+                return None
+            return graph.outputs.index(dst_name)
+        if dst not in comp_io:
+            problems.append(f"edge to unknown component {dst!r}")
+            return None
+        if dst_name not in comp_io[dst][0]:
+            problems.append(f"edge to unknown input {dst_name!r} of {dst!r} (inputs {list(comp_io[dst][0])})")
+            return None
+        return comp_io[dst][0].index(dst_name)
+
+    for src, src_name, dst, dst_name in graph.edges:
+        slot = _in_slot(dst, dst_name)
+        if slot is None:
+            continue
+        if src == INPUT:
+            if src_name not in graph.inputs:
+                problems.append(f"edge from unknown model input {src_name!r} (inputs {list(graph.inputs)})")
+                continue
+            in_sinks[graph.inputs.index(src_name)].append((dst, slot))
+        else:
+            if src not in comp_io or src_name not in comp_io[src][1]:
+                problems.append(f"edge from unknown output {src}.{src_name}")
+                continue
+            sinks.setdefault((src, comp_io[src][1].index(src_name)), []).append((dst, slot))
+        if dst == OUTPUT:
+            out_src[slot].append((src, src_name))
+        else:
+            sources.setdefault((dst, slot), []).append((src, src_name))
+
+    for name in names:
+        for k, inp in enumerate(comp_io[name][0]):
+            n = len(sources.get((name, k), []))
+            if n != 1:
+                problems.append(f"input {inp!r} of component {name!r} has {n} sources, needs exactly 1")
+    for i, name in enumerate(graph.outputs):
+        if len(out_src[i]) != 1:
+            problems.append(f"model output {name!r} has {len(out_src[i])} sources, needs exactly 1")
+    planned = {r.component for r in plan.ranks if r.component is not None}
+    for extra in sorted(planned - set(names)):
+        problems.append(f"the plan serves component {extra!r}, which the switchboard does not have")
+    for name in names:
+        if name not in planned:
+            problems.append(f"component {name!r} has no rank in the plan")
+    if problems:
+        raise PlanError(
+            "the plan and the switchboard do not fit together:\n  - " + "\n  - ".join(problems)
+            + "\nRe-run the allocate stage with this switchboard (or pass the matching plan=...)."
+        )
+    flows = []
+    for idx, name in enumerate(names):
+        ins, outs = comp_io[name]
+        reps: Sequence[RankEntry] = plan.replicas(name)
+        flows.append(ComponentFlow(
+            name=name,
+            index=idx,
+            inputs=tuple(ins),
+            outputs=tuple(outs),
+            sources=tuple(sources[(name, k)][0] for k in range(len(ins))),
+            sinks=tuple(tuple(sinks.get((name, j), ())) for j in range(len(outs))),
+            replicas=tuple(r.rank for r in reps),
+            batch_sizes=tuple(r.batch_size for r in reps),
+        ))
+    return Dataflow(
+        inputs=tuple(graph.inputs),
+        outputs=tuple(graph.outputs),
+        components=tuple(flows),
+        input_sinks=tuple(tuple(in_sinks[i]) for i in range(len(graph.inputs))),
+        output_sources=tuple(out_src[i][0] for i in range(len(graph.outputs))),
+        world_size=plan.world_size,
+        rank_component={r.rank: r.component for r in plan.ranks if r.component is not None},
+    )
+
+
+def graph_from_switchboard(sb: object) -> GraphSpec:
+    """The :class:`GraphSpec` of a loaded ``Switchboard`` (``[Note: switchboard layout]``)."""
+
+    def _names(ports: Iterable[object]) -> tuple[str, ...]:
+        return tuple(p if isinstance(p, str) else (p["name"] if isinstance(p, dict) else p.name) for p in ports)
+
+    comps = []
+    for name in sb.order:  # type: ignore[attr-defined]
+        spec = sb.components[name]  # type: ignore[attr-defined]
+        comps.append((name, _names(spec.inputs), _names(spec.outputs)))
+    edges = []
+    for e in sb.edges:  # type: ignore[attr-defined]
+        if isinstance(e, dict):
+            edges.append((e["src"], e["src_name"], e["dst"], e["dst_name"]))
+        else:
+            edges.append((e.src, e.src_name, e.dst, e.dst_name))
+    return GraphSpec(
+        inputs=_names(sb.input_names if hasattr(sb, "input_names") else sb.inputs),  # type: ignore[attr-defined]
+        outputs=_names(sb.output_names if hasattr(sb, "output_names") else sb.outputs),  # type: ignore[attr-defined]
+        components=tuple(comps),
+        edges=tuple(edges),
+    )
+
+
+def whole_graph(inputs: Sequence[str], outputs: Sequence[str]) -> GraphSpec:
+    """The graph of the unsplit model as one component named ``"whole"``."""
+    return GraphSpec(
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        components=((WHOLE, tuple(inputs), tuple(outputs)),),
+        edges=tuple((INPUT, n, WHOLE, n) for n in inputs) + tuple((WHOLE, n, OUTPUT, n) for n in outputs),
+    )
+
+
+def whole_plan(plan: Plan) -> Plan:
+    """The baseline plan: every component rank of ``plan`` serves a replica of the whole model.
+
+    Same ranks, nodes, GPUs, slices, threads and batch sizes: only what each rank runs changes.
+    """
+    ranks = []
+    k = 0
+    for r in plan.ranks:
+        if r.role == "frontend":
+            ranks.append(r)
+            continue
+        ranks.append(RankEntry(r.rank, r.role, r.node, r.gpu, r.slice_gb, r.threads, WHOLE, r.batch_size, k))
+        k += 1
+    return Plan(
+        model=plan.model,
+        switchboard_sha256=plan.switchboard_sha256,
+        device_kind=plan.device_kind,
+        nodes=plan.nodes,
+        ranks=tuple(ranks),
+        predicted_throughput_rps={WHOLE: 0.0},
+        utilization=dict(plan.utilization),
+        meta={"baseline_of": plan.model},
+    )
+
+
+class Router:
+    """Join-shortest-queue routing: each request goes to the replica with fewest outstanding requests.
+
+    Pure bookkeeping (no MPI): :meth:`assign` picks one rank per component and counts it outstanding;
+    :meth:`release` un-counts a finished (or failed) request.  Ties go to the replica used least
+    recently, so idle replicas share the load in turn.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace as NS
+    >>> df = NS(components=(NS(replicas=(1, 2)), NS(replicas=(3,))))
+    >>> r = Router(df)
+    >>> r.assign(), r.assign(), r.assign()
+    ((1, 3), (2, 3), (1, 3))
+    >>> r.release((1, 3)); r.assign()
+    (1, 3)
+    """
+
+    def __init__(self, dataflow: Dataflow) -> None:
+        self._replicas = [tuple(c.replicas) for c in dataflow.components]
+        self.outstanding: dict[int, int] = {r: 0 for reps in self._replicas for r in reps}
+        self._last: dict[int, int] = dict.fromkeys(self.outstanding, -1)
+        self._tick = 0
+
+    def assign(self) -> tuple[int, ...]:
+        route = []
+        for reps in self._replicas:
+            if len(reps) == 1:
+                best = reps[0]
+            else:
+                best = min(reps, key=lambda r: (self.outstanding[r], self._last[r]))
+            self.outstanding[best] += 1
+            self._tick += 1
+            self._last[best] = self._tick
+            route.append(best)
+        return tuple(route)
+
+    def release(self, route: Sequence[int]) -> None:
+        for r in route:
+            self.outstanding[r] -= 1
+
+
+def critical_path_ms(graph: GraphSpec, latency_ms: dict[str, float]) -> float:
+    """Longest path through the component DAG, weighting each component by ``latency_ms``.
+
+    The latency floor of one request when every branch runs side by side (transfers excluded).
+
+    Examples
+    --------
+    >>> g = GraphSpec(("x",), ("y",), (("a", ("x",), ("p",)), ("b", ("x",), ("q",)),
+    ...               ("j", ("p", "q"), ("y",))),
+    ...               (("input", "x", "a", "x"), ("input", "x", "b", "x"), ("a", "p", "j", "p"),
+    ...                ("b", "q", "j", "q"), ("j", "y", "output", "y")))
+    >>> critical_path_ms(g, {"a": 70.0, "b": 20.0, "j": 1.0})
+    71.0
+    """
+    finish: dict[str, float] = {}
+    preds: dict[str, set[str]] = {c[0]: set() for c in graph.components}
+    for src, _, dst, _ in graph.edges:
+        if src != INPUT and dst != OUTPUT:
+            preds[dst].add(src)
+    for name, _, _ in graph.components:
+        start = max((finish[p] for p in preds[name]), default=0.0)
+        finish[name] = start + float(latency_ms[name])
+    return max(finish.values(), default=0.0)
+
+
+def _toy_plan(components: Sequence[str], replicas: int = 1, batch_size: int = 1) -> Plan:
+    """A CPU plan with a frontend and ``replicas`` ranks per component (tests, docs)."""
+    ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
+    for c in components:
+        for k in range(replicas):
+            ranks.append(RankEntry(len(ranks), "component", 0, None, None, 1, c, batch_size, k))
+    return Plan("toy", None, "cpu", 1, tuple(ranks), dict.fromkeys(components, 0.0), {})

@@ -1,0 +1,337 @@
+"""What each rank does once set up (``[Note: serve rank lifecycle]`` in :mod:`worker`).
+
+Frontend: per variant, wait for the component ranks, check end-to-end outputs against the reference,
+then run batch mode (inputs file -> outputs file) or the benchmark levels; STOP; collect counters.
+Component ranks: per variant, load their callable, check it, serve until STOP.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcsplit.errors import RequestTimeoutError, RuntimeStageError, VerificationError
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.frontend import STATUS_OK, Frontend
+from hpcsplit.runtime.routing import WHOLE, Dataflow
+from hpcsplit.runtime.trace import Tracer
+
+__all__ = ["Context", "read_inputs", "run_component_rank", "run_frontend", "write_outputs"]
+
+_TAG_STATS = 7201
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Everything a rank set up in :func:`worker.mpi_main`."""
+
+    comm: Any
+    cfg: dict[str, Any]
+    rt: dict[str, Any]
+    plan: Any
+    sb: Any
+    run_dir: Path
+    device: Any
+    threads: Any
+
+
+def _say(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def _barrier(comm: Any) -> None:
+    """A barrier that waits without spinning (``Ibarrier`` + backoff polling)."""
+    req = comm.Ibarrier()
+    tp.wait_polling(req.Test)
+
+
+def _tracer(ctx: Context, label: str) -> Tracer:
+    tr = ctx.rt.get("trace") or {}
+    return Tracer(ctx.comm.Get_rank(), tr.get("start_step"), tr.get("end_step"), label)
+
+
+# --------------------------------------------------------------------------------- component ranks
+def _load_callable(ctx: Context, variant: str, name: str) -> Any:
+    fn = ctx.sb.load_whole() if name == WHOLE else ctx.sb.load_component(name)
+    if getattr(ctx.device, "type", "cpu") == "cuda" and hasattr(fn, "to"):
+        fn = fn.to(ctx.device)
+    return fn
+
+
+def _example_inputs(ctx: Context, name: str, batch: int) -> tuple[torch.Tensor, ...]:
+    if name == WHOLE:
+        return tuple(ctx.sb.example_inputs(batch))
+    return tuple(ctx.sb.component_example_inputs(batch)[name])
+
+
+def _check_component(ctx: Context, df: Dataflow, name: str, fn: Any, batch: int) -> float:
+    """Run ``fn`` once on the switchboard's example activations; check output count, batch and finiteness."""
+    from hpcsplit.runtime.worker import _as_tuple
+
+    rank = ctx.comm.Get_rank()
+    flow = df.component(name)
+    args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, batch))
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        outs = _as_tuple(fn(*args))
+    dt = time.perf_counter() - t0
+    problems = []
+    if len(outs) != len(flow.outputs):
+        problems.append(f"returned {len(outs)} outputs, the switchboard lists {len(flow.outputs)}")
+    for o, oname in zip(outs, flow.outputs, strict=False):
+        if not isinstance(o, torch.Tensor) or o.shape[:1] != (batch,):
+            problems.append(f"output {oname!r} is {getattr(o, 'shape', type(o))}, needs batch {batch} first")
+        elif o.is_floating_point() and not bool(torch.isfinite(o).all()):
+            problems.append(f"output {oname!r} has non-finite values")
+    if problems:
+        raise VerificationError(f"rank {rank}: component {name!r} on its example inputs: " + "; ".join(problems))
+    return dt
+
+
+def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry: Any) -> None:
+    from hpcsplit.runtime.worker import _with_fault, serve_component
+
+    comm, rt = ctx.comm, ctx.rt
+    rank = comm.Get_rank()
+    tracer = _tracer(ctx, str(entry.component))
+    all_stats = []
+    for vname, df in variants:
+        name = df.rank_component[rank]
+        fn = _load_callable(ctx, vname, name)
+        if rt.get("verify", True):
+            dt = _check_component(ctx, df, name, fn, entry.batch_size)
+            _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {entry.batch_size}, {dt * 1e3:.1f} ms)")
+        fn = _with_fault(fn, rt.get("fault"), name)
+        _barrier(comm)
+        st = serve_component(comm, df, name, fn, entry.batch_size, float(rt["max_wait_ms"]) / 1e3,
+                             float(rt["request_timeout_s"]), tracer, ctx.device, float(rt["abort_grace_s"]))
+        st["variant"] = vname
+        all_stats.append(st)
+    tracer.write(ctx.run_dir)
+    req = comm.isend(all_stats, dest=0, tag=_TAG_STATS)  # small dict of counters (not tensors)
+    tp.wait_polling(req.Test)
+    _barrier(comm)
+
+
+# --------------------------------------------------------------------------------------- frontend
+def _reference(ctx: Context, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, str]:
+    """Inputs and expected outputs for the end-to-end check: golden if the switchboard has them."""
+    sb = ctx.sb
+    for attr in ("golden_inputs_outputs", "golden"):
+        g = getattr(sb, attr, None)
+        if callable(g):
+            try:
+                ins, outs = g()
+                return [torch.as_tensor(x) for x in ins], [torch.as_tensor(x) for x in outs], "golden"
+            except (TypeError, ValueError):
+                pass
+    ins = [torch.as_tensor(x) for x in sb.example_inputs(n)]
+    with torch.inference_mode():
+        from hpcsplit.runtime.worker import _as_tuple
+
+        outs = [o.detach().cpu() for o in _as_tuple(sb.load_whole()(*ins))]
+    return ins, outs, "whole model on the example inputs"
+
+
+def _run_rows(fe: Frontend, inputs: list[torch.Tensor], rt: dict[str, Any],
+              out: dict[int, list[torch.Tensor]] | None = None) -> Any:
+    n = int(inputs[0].shape[0])
+
+    def get(idx: np.ndarray) -> list[torch.Tensor]:
+        t = torch.as_tensor(idx)
+        return [x.index_select(0, t) for x in inputs]
+
+    def done(i: int, rows: list[torch.Tensor]) -> None:
+        if out is not None:
+            out[i] = [r.clone() for r in rows]
+
+    return fe.run(np.zeros(n), get, done if out is not None else None,
+                  float(rt["request_timeout_s"]), int(rt["max_inflight"]))
+
+
+def _check_end_to_end(ctx: Context, fe: Frontend, vname: str) -> dict[str, Any]:
+    rt = ctx.rt
+    n = int(rt.get("verify_samples", 2))
+    ins, ref, what = _reference(ctx, n)
+    got: dict[int, list[torch.Tensor]] = {}
+    res = _run_rows(fe, ins, rt, got)
+    if not res.ok.all():
+        raise RuntimeStageError(f"{vname}: end-to-end check: {int((~res.ok).sum())} of {len(res.ok)} requests "
+                                "failed (timed out); see the log for the component that is stuck")
+    worst = 0.0
+    for j, r in enumerate(ref or []):
+        y = torch.cat([got[i][j] for i in range(len(res.ok))], 0)
+        if y.shape != r.shape or not torch.allclose(y.float(), r.float(), atol=float(rt["verify_atol"]),
+                                                    rtol=float(rt["verify_rtol"])):
+            diff = (y.float() - r.float()).abs().max().item() if y.shape == r.shape else float("inf")
+            raise VerificationError(
+                f"{vname}: served output {j} ({fe.df.outputs[j]}) differs from the reference ({what}): "
+                f"max |diff| {diff:.3g}, shapes {tuple(y.shape)} vs {tuple(r.shape)}, tolerance "
+                f"atol={rt['verify_atol']} rtol={rt['verify_rtol']}"
+            )
+        worst = max(worst, (y.float() - r.float()).abs().max().item())
+    _say(0, f"{vname}: end-to-end outputs of {len(res.ok)} requests match the reference ({what}), "
+            f"max |diff| {worst:.2e}")
+    return {"samples": len(res.ok), "reference": what, "max_abs_diff": worst}
+
+
+def _collect_stats(ctx: Context) -> list[dict[str, Any]]:
+    from hpcsplit._mpi import MPI
+
+    comm = ctx.comm
+    out: list[dict[str, Any]] = []
+    for _ in range(comm.Get_size() - 1):
+        st = MPI.Status()
+        tp.wait_polling(lambda st=st: comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_STATS, status=st))
+        out.extend(comm.recv(source=st.Get_source(), tag=_TAG_STATS))
+    return sorted(out, key=lambda s: (s.get("variant", ""), s["rank"]))
+
+
+def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str, Any]:
+    rt = ctx.rt
+    comm = ctx.comm
+    tracer = _tracer(ctx, "frontend")
+    summary: dict[str, Any] = {"mode": rt["mode"], "world_size": comm.Get_size(), "model": ctx.plan.model,
+                               "threads": ctx.threads.describe(), "variants": {}}
+    next_id = 0
+    bench_results: dict[str, Any] = {}
+    for vname, df in variants:
+        fe = Frontend(comm, df, tracer)
+        fe.next_id = next_id
+        _barrier(comm)  # every component rank has loaded and checked its callable
+        try:
+            vsum: dict[str, Any] = {}
+            if rt.get("verify", True):
+                vsum["end_to_end"] = _check_end_to_end(ctx, fe, vname)
+            if rt["mode"] == "batch":
+                vsum.update(_batch_mode(ctx, fe))
+            else:
+                from hpcsplit.runtime.bench import run_levels
+
+                bench_results[vname] = run_levels(ctx, fe, vname)
+            summary["variants"][vname] = vsum
+        finally:
+            next_id = fe.next_id
+        fe.stop_all()
+    summary["ranks"] = _collect_stats(ctx)
+    for st in summary["ranks"]:
+        if st.get("wall_s"):
+            st["cpu_pct_of_core"] = 100.0 * st["cpu_s"] / st["wall_s"]
+    tracer.write(ctx.run_dir)
+    _barrier(comm)
+    if rt["mode"] == "bench":
+        from hpcsplit.runtime.bench import finish
+
+        summary.update(finish(ctx, bench_results))
+    failed = summary["variants"].get("split", {}).get("failed", 0)
+    if rt["mode"] == "batch" and failed:
+        raise RequestTimeoutError(
+            f"{failed} request(s) exceeded runtime.request_timeout_s={rt['request_timeout_s']} s and were "
+            f"reported failed (ids {summary['variants']['split']['failed_ids'][:10]}); the outputs of the "
+            f"others are in {summary['variants']['split']['output_path']} (see its 'done' mask). Raise "
+            "runtime.request_timeout_s or find the slow component in the per-rank counters."
+        )
+    return summary
+
+
+# ------------------------------------------------------------------------------------- batch mode
+def read_inputs(path: str | Path, names: tuple[str, ...]) -> list[np.ndarray]:
+    """Model inputs from an ``.npz`` or HDF5 file: one array per input name (positional ``arr_i`` too)."""
+    path = Path(path)
+    if not path.exists():
+        raise RuntimeStageError(f"runtime.input_path={path} does not exist; give an .npz or .h5 file "
+                                f"with arrays {list(names)} (samples first)")
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            data = {k: z[k] for k in z.files}
+    else:
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                data = {k: f[k][()] for k in f if hasattr(f[k], "shape")}
+        except OSError as e:
+            raise RuntimeStageError(f"cannot read {path} as HDF5: {e}") from e
+    out = []
+    for i, n in enumerate(names):
+        arr = data.get(n, data.get(f"arr_{i}"))
+        if arr is None:
+            raise RuntimeStageError(f"{path} has arrays {sorted(data)}; the model needs {list(names)}")
+        out.append(arr)
+    lens = {a.shape[0] for a in out}
+    if len(lens) != 1:
+        raise RuntimeStageError(f"{path}: the inputs have different sample counts {sorted(lens)}")
+    return out
+
+
+def write_outputs(path: str | Path, names: tuple[str, ...], arrays: list[np.ndarray | None],
+                  done: np.ndarray, latency_ms: np.ndarray) -> Path:
+    """Write outputs in input order plus a ``done`` mask (rows not done are zeros) to .npz or HDF5."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {n: a for n, a in zip(names, arrays, strict=True) if a is not None}
+    data["done"] = done.astype(bool)
+    data["latency_ms"] = latency_ms
+    if path.suffix == ".npz":
+        np.savez(path, **data)
+    else:
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            for k, v in data.items():
+                f.create_dataset(k.replace("/", "_"), data=v)
+            f.attrs["outputs"] = list(names)
+    return path
+
+
+def _batch_mode(ctx: Context, fe: Frontend) -> dict[str, Any]:
+    rt = ctx.rt
+    names = fe.df.inputs
+    if rt.get("input_path"):
+        arrays = read_inputs(rt["input_path"], names)
+        inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        src = str(rt["input_path"])
+    else:
+        inputs = [torch.as_tensor(x) for x in ctx.sb.example_inputs(int(rt["num_samples"]))]
+        src = f"switchboard example inputs x{rt['num_samples']}"
+    n = int(inputs[0].shape[0])
+    out_path = Path(rt.get("output_path") or ctx.run_dir / "outputs.h5")
+    outs: list[np.ndarray | None] = [None] * len(fe.df.outputs)
+
+    def get(idx: np.ndarray) -> list[torch.Tensor]:
+        t = torch.as_tensor(idx)
+        return [x.index_select(0, t) for x in inputs]
+
+    def done(i: int, rows: list[torch.Tensor]) -> None:
+        for j, r in enumerate(rows):
+            if outs[j] is None:
+                outs[j] = np.zeros((n, *r.shape[1:]), dtype=r.cpu().numpy().dtype)
+            outs[j][i] = r[0].cpu().numpy()  # type: ignore[index]
+
+    _say(0, f"batch mode: {n} requests from {src} -> {out_path}")
+    try:
+        res = fe.run(np.zeros(n), get, done, float(rt["request_timeout_s"]), int(rt["max_inflight"]))
+    except BaseException:
+        p = fe.partial
+        write_outputs(out_path, fe.df.outputs, outs, p.status == STATUS_OK, p.latency_ms)
+        _say(0, f"stopping on error: wrote the {int((p.status == STATUS_OK).sum())} finished of {n} outputs "
+                f"to {out_path}")
+        raise
+    write_outputs(out_path, fe.df.outputs, outs, res.ok, res.latency_ms)
+    lat = res.latency_ms[res.ok]
+    failed_ids = [int(i) for i in np.flatnonzero(~res.ok)]
+    _say(0, f"batch mode: {int(res.ok.sum())}/{n} done in {res.wall_s:.2f} s "
+            f"({res.ok.sum() / res.wall_s:.1f} req/s), outputs in {out_path}")
+    return {
+        "requests": n, "done": int(res.ok.sum()), "failed": len(failed_ids), "failed_ids": failed_ids,
+        "output_path": str(out_path), "wall_s": res.wall_s,
+        "throughput_rps": float(res.ok.sum() / res.wall_s) if res.wall_s else None,
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+    }

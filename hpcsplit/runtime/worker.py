@@ -1,0 +1,342 @@
+"""The serve and bench stages on MPI ranks: rank 0 is the frontend, every other rank one component replica.
+
+    python -m hpcsplit stage=serve  ...      # runtime.mode=batch: inputs file -> outputs file
+    python -m hpcsplit stage=bench +experiment=clip   # whole model vs split plan at each bench.qps
+
+[Note: serve rank lifecycle]
+Every rank: read the plan, set its thread share and OMP wait policy (``threads.configure_rank``, before
+the first ``import torch``), bind its GPU and memory slice (or CPU threads), load the switchboard and
+derive the dataflow (``routing.build_dataflow``, the same pure function on every rank).  A component
+rank loads only its component, checks it on the switchboard's example activations, then runs
+:func:`serve_component` until the frontend says STOP.  The frontend (:mod:`frontend`) pushes requests
+through, checks the end-to-end outputs against the golden outputs, then serves the batch file or the
+benchmark levels.  Bench mode repeats this per variant (``whole`` = the unsplit model on the same
+ranks, then ``split``), each ended by STOP.  At the end components send their counters to rank 0 and
+everyone meets at a non-spinning barrier.
+
+Faults: an exception in a component is sent to the frontend as an ERROR message naming rank,
+component and requests; the frontend writes the outputs finished so far (batch mode) and raises, and
+``hpcsplit._rank`` aborts the job.  The component raises too, after ``runtime.abort_grace_s``, in case
+the frontend cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpcsplit import _mpi
+from hpcsplit.errors import ConfigError, RuntimeStageError
+from hpcsplit.runtime.plan import Plan
+from hpcsplit.runtime.routing import OUTPUT, Dataflow, build_dataflow, whole_graph, whole_plan
+from hpcsplit.runtime.threads import configure_rank
+
+__all__ = ["RUNTIME_DEFAULTS", "mpi_main", "runtime_settings", "serve_component"]
+
+RUNTIME_DEFAULTS: dict[str, Any] = {
+    "mode": None,  # batch | bench; None: from the stage name (serve -> batch)
+    "max_wait_ms": 2.0,
+    "max_inflight": 64,
+    "request_timeout_s": 60.0,
+    "threads": None,
+    "omp_wait_policy": "PASSIVE",
+    "trace": {"start_step": None, "end_step": None},
+    "input_path": None,
+    "output_path": None,
+    "num_samples": 16,
+    "verify": True,
+    "verify_atol": 1e-4,
+    "verify_rtol": 1e-3,
+    "abort_grace_s": 3.0,
+    "fault": None,  # tests: {component, kind: raise|sleep, after_requests, sleep_s}
+}
+
+
+def runtime_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg['runtime']`` over :data:`RUNTIME_DEFAULTS`, with the mode resolved; raises ConfigError."""
+    rt = dict(RUNTIME_DEFAULTS)
+    rt.update({k: v for k, v in (cfg.get("runtime") or {}).items() if v is not None or k == "threads"})
+    rt["trace"] = dict(RUNTIME_DEFAULTS["trace"], **(rt.get("trace") or {}))
+    mode = rt.get("mode") or {"bench": "bench"}.get(str(cfg.get("stage")), "batch")
+    problems = []
+    if mode not in ("batch", "bench"):
+        problems.append(f"runtime.mode={mode!r}: use batch or bench")
+    if float(rt["max_wait_ms"]) < 0:
+        problems.append(f"runtime.max_wait_ms={rt['max_wait_ms']}: needs >= 0")
+    if int(rt["max_inflight"]) < 1:
+        problems.append(f"runtime.max_inflight={rt['max_inflight']}: needs >= 1")
+    if not float(rt["request_timeout_s"]) > 0:
+        problems.append(f"runtime.request_timeout_s={rt['request_timeout_s']}: needs > 0")
+    if problems:
+        raise ConfigError("invalid runtime settings:\n  - " + "\n  - ".join(problems))
+    rt["mode"] = mode
+    return rt
+
+
+def _say(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def _input_path(cfg: dict[str, Any], run_dir: Path, what: str) -> Path:
+    paths = cfg.get("paths") or {}
+    given = cfg.get(what)
+    if isinstance(given, dict):
+        given = given.get("path")
+    if given:
+        return Path(given)
+    name = {"plan": paths.get("plan_filename", "plan.json"),
+            "switchboard": paths.get("switchboard_dirname", "switchboard")}[what]
+    return run_dir / name
+
+
+def _bind_device(plan: Plan, entry: Any, rank: int) -> Any:
+    """This rank's torch device; on CUDA also its memory slice (``slice_gb``)."""
+    import torch
+
+    if plan.device_kind != "cuda" or entry.role != "component":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeStageError(
+            f"rank {rank}: the plan places component {entry.component!r} on GPU {entry.gpu}, but CUDA is "
+            "not available here. Run on GPU nodes, or allocate for CPU (cluster with gpus_per_node: 0)."
+        )
+    n = torch.cuda.device_count()
+    if entry.gpu >= n:
+        raise RuntimeStageError(
+            f"rank {rank}: plan says GPU {entry.gpu} but this rank sees {n} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); request all GPUs of the node "
+            "for every task (no per-task GPU binding), or re-plan for this node shape."
+        )
+    dev = torch.device("cuda", entry.gpu)
+    torch.cuda.set_device(dev)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    frac = min(1.0, float(entry.slice_gb) * 1e9 / total)
+    torch.cuda.set_per_process_memory_fraction(frac, dev)
+    return dev
+
+
+def _with_fault(fn: Callable[..., Any], fault: dict[str, Any] | None, name: str) -> Callable[..., Any]:
+    """Wrap ``fn`` with the test-only fault of ``runtime.fault`` when it targets ``name``."""
+    if not fault or fault.get("component") != name:
+        return fn
+    after = int(fault.get("after_requests", 0))
+    kind = fault.get("kind", "raise")
+    seen = [0]
+
+    def faulty(*args: Any) -> Any:
+        seen[0] += int(args[0].shape[0]) if args else 1
+        if seen[0] > after:
+            if kind == "sleep":
+                time.sleep(float(fault.get("sleep_s", 1.0)))
+            else:
+                raise RuntimeError(f"injected fault (runtime.fault) after {after} requests")
+        return fn(*args)
+
+    return faulty
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    if isinstance(out, tuple | list):
+        return tuple(out)
+    return (out,)
+
+
+# ----------------------------------------------------------------------------------- component ranks
+def serve_component(
+    comm: Any,
+    df: Dataflow,
+    name: str,
+    fn: Callable[..., Any],
+    batch_size: int,
+    max_wait_s: float,
+    request_timeout_s: float = 60.0,
+    tracer: Any = None,
+    device: Any = None,
+    abort_grace_s: float = 3.0,
+) -> dict[str, Any]:
+    """Serve component ``name`` on this rank until the frontend sends STOP; return counters.
+
+    Joins inputs per request, batches up to ``batch_size`` or ``max_wait_s``, runs ``fn`` and sends
+    each output row to the rank its request's route names (``[Note: serve dataflow]``).
+    """
+    import torch
+
+    from hpcsplit.runtime import transport as tp
+    from hpcsplit.runtime.batching import Batcher, JoinBuffer, Row, stack_rows
+    from hpcsplit.runtime.threads import cpu_seconds
+    from hpcsplit.runtime.trace import Tracer
+
+    rank = comm.Get_rank()
+    flow = df.component(name)
+    tracer = tracer or Tracer(rank, None, None)
+    comp_index = {c.name: c.index for c in df.components}
+    groups = [(None if dst == OUTPUT else comp_index[dst], pairs) for dst, pairs in df.send_groups(name).items()]
+    join = JoinBuffer(len(flow.inputs))
+    batcher = Batcher(batch_size, max_wait_s)
+    inbox = tp.Inbox(comm, device)
+    outbox = tp.Outbox()
+    backoff = tp.Backoff()
+    stats = {"rank": rank, "component": name, "batches": 0, "requests": 0, "compute_s": 0.0,
+             "expired": 0, "max_batch": 0}
+    t_start, cpu_start = time.perf_counter(), cpu_seconds()
+    stopping = False
+    next_expire = t_start + 1.0
+    with torch.inference_mode():
+        while True:
+            worked = False
+            for m, t_hdr in inbox.poll():
+                worked = True
+                h = m.header
+                if h.kind == tp.KIND_STOP:
+                    stopping = True
+                    continue
+                if h.kind != tp.KIND_DATA:
+                    continue
+                now = time.perf_counter()
+                for row, (rid, route) in enumerate(zip(h.request_ids, h.routes, strict=True)):
+                    for meta, t in zip(h.tensors, m.tensors, strict=True):
+                        ready = join.add(rid, route, meta.slot, Row(t, row), now)
+                        if ready is not None:
+                            batcher.push(ready, now)
+                tracer.span("recv", t_hdr, now, h.request_ids, src=m.source)
+            now = time.perf_counter()
+            if batcher.due(now):
+                worked = True
+                items = batcher.take()
+                ids = [it.request_id for it in items]
+                try:
+                    inputs = [stack_rows([it.rows[k] for it in items]) for k in range(len(flow.inputs))]
+                    t0 = time.perf_counter()
+                    outs = _as_tuple(fn(*inputs))
+                    t1 = time.perf_counter()
+                except Exception as e:  # noqa: BLE001 - reported to the frontend, then re-raised
+                    msg = (f"rank {rank} component {name!r} failed on requests {ids[:16]}"
+                           f"{'...' if len(ids) > 16 else ''}: {type(e).__name__}: {e}\n"
+                           + traceback.format_exc(limit=6))
+                    _report_and_raise(comm, msg, abort_grace_s, e)
+                tracer.span("compute", t0, t1, ids, batch=len(ids))
+                stats["batches"] += 1
+                stats["requests"] += len(ids)
+                stats["compute_s"] += t1 - t0
+                stats["max_batch"] = max(stats["max_batch"], len(ids))
+                _send_outputs(comm, outbox, groups, items, outs, tracer)
+            outbox.reap()
+            if now > next_expire:
+                next_expire = now + 1.0
+                stats["expired"] += len(join.expire(now, request_timeout_s))
+            if stopping and not len(batcher) and not inbox.pending and outbox.reap() == 0:
+                break
+            if worked:
+                backoff.reset()
+            else:
+                backoff.idle(time.perf_counter(), batcher.deadline())
+    wall = time.perf_counter() - t_start
+    stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join))
+    return stats
+
+
+def _send_outputs(comm: Any, outbox: Any, groups: Any, items: list[Any], outs: tuple[Any, ...],
+                  tracer: Any) -> None:
+    import torch
+
+    from hpcsplit.runtime import transport as tp
+
+    t0 = time.perf_counter()
+    ids = [it.request_id for it in items]
+    routes = [it.route for it in items]
+    for ci, pairs in groups:
+        by_rank: dict[int, list[int]] = {}
+        for k, route in enumerate(routes):
+            by_rank.setdefault(0 if ci is None else route[ci], []).append(k)
+        for dest, pos in by_rank.items():
+            if len(pos) == len(items):
+                sel = [(slot, outs[j]) for j, slot in pairs]
+            elif pos == list(range(pos[0], pos[-1] + 1)):
+                sel = [(slot, outs[j][pos[0]:pos[-1] + 1]) for j, slot in pairs]
+            else:
+                p = torch.as_tensor(pos, dtype=torch.long, device=outs[0].device)
+                sel = [(slot, outs[j].index_select(0, p)) for j, slot in pairs]
+            outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
+                                        [routes[k] for k in pos], sel))
+    tracer.span("send", t0, time.perf_counter(), ids)
+
+
+def _report_and_raise(comm: Any, msg: str, grace_s: float, exc: BaseException) -> None:
+    """Tell the frontend (so it writes partial outputs and aborts), then raise ourselves."""
+    import torch
+
+    from hpcsplit.runtime import transport as tp
+
+    rank = comm.Get_rank()
+    _say(rank, msg.splitlines()[0])
+    try:
+        payload = torch.frombuffer(bytearray(msg.encode("utf-8")), dtype=torch.uint8)
+        h = tp.isend_message(comm, 0, tp.KIND_ERROR, (), (), [(0, payload)], aux=len(payload))
+        tp.wait_polling(h.test, timeout_s=grace_s)
+        time.sleep(grace_s)  # the frontend aborts the job; if it cannot, we do below
+    finally:
+        raise RuntimeStageError(msg.splitlines()[0]) from exc
+
+
+# ------------------------------------------------------------------------------------------ mpi_main
+def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict[str, Any] | None:
+    """Entry of ``stage=serve`` and ``stage=bench`` on every rank (``[Note: serve rank lifecycle]``).
+
+    Returns
+    -------
+    dict or None
+        On rank 0 the summary (batch: counts, output file, latency; bench: per-level summaries and
+        result files); None on other ranks.
+    """
+    comm = _mpi.get_comm(comm)
+    rank = comm.Get_rank()
+    run_path = Path(run_dir)
+    rt = runtime_settings(cfg)
+    plan = Plan.load(_input_path(cfg, run_path, "plan"))
+    _mpi.check_world_size(comm, plan.world_size)
+    entry = plan.rank_entry(rank)
+    local_ranks = comm.Split_type(_mpi.MPI.COMM_TYPE_SHARED).Get_size()
+    choice = configure_rank(rt, entry.threads if plan.device_kind == "cpu" else None, local_ranks)
+
+    import torch  # only now: OpenMP reads OMP_NUM_THREADS / OMP_WAIT_POLICY when torch loads it
+
+    from hpcsplit.runtime import session
+    from hpcsplit.runtime.routing import graph_from_switchboard
+    from hpcsplit.runtime.transport import cuda_aware_mpi
+    from hpcsplit.switchboard import Switchboard
+
+    torch.set_num_threads(choice.threads)
+    device = _bind_device(plan, entry, rank)
+    aware, why = cuda_aware_mpi()
+    role = "frontend" if entry.role == "frontend" else f"component {entry.component!r} replica {entry.replica}"
+    _say(rank, f"{role}: {choice.describe()}, device {device}, {_mpi.mpi_library_version()}, "
+               f"CUDA-aware MPI: {aware} ({why})")
+    sb = Switchboard.load(_input_path(cfg, run_path, "switchboard"))
+    if plan.switchboard_sha256 and getattr(sb, "sha256", None) and sb.sha256 != plan.switchboard_sha256:
+        from hpcsplit.errors import PlanError
+
+        raise PlanError(
+            f"the plan was made for switchboard {plan.switchboard_sha256[:12]} but "
+            f"{_input_path(cfg, run_path, 'switchboard')} is {sb.sha256[:12]}; pass the matching "
+            "switchboard=... or re-run the allocate stage"
+        )
+    graph = graph_from_switchboard(sb)
+    variants: list[tuple[str, Dataflow]] = []
+    if rt["mode"] == "bench":
+        variants.append(("whole", build_dataflow(whole_plan(plan), whole_graph(graph.inputs, graph.outputs))))
+    variants.append(("split", build_dataflow(plan, graph)))
+    if rank == 0:
+        _say(rank, "plan:\n" + plan.format())
+        for vname, df in variants:
+            _say(rank, f"{vname} " + df.format())
+    ctx = session.Context(comm=comm, cfg=cfg, rt=rt, plan=plan, sb=sb, run_dir=run_path, device=device,
+                          threads=choice)
+    if entry.role == "frontend":
+        return session.run_frontend(ctx, variants)
+    session.run_component_rank(ctx, variants, entry)
+    return None

@@ -1,0 +1,317 @@
+#!/usr/bin/env bash
+# A real one-node SLURM for development and CI:  slurm/dev-cluster.sh up|down|status
+#
+#   up      install the Debian packages if missing, then start munge, MariaDB, slurmdbd, slurmctld
+#           and slurmd; wait until the node is idle and `sacct` answers. Idempotent: daemons that
+#           already run are left alone. Prints how long it took.
+#   down    stop the daemons this script started (by PID). State (the accounting database) is kept;
+#           `down --purge` also removes the state folder.
+#   status  sinfo, squeue and sacct health; exit 1 when the cluster is not usable.
+#
+# Needs root on Debian 12 (slurm-wlm 22.05). The node advertises 8 CPUs (SlurmdParameters=
+# config_overrides) so that multi-rank jobs schedule on a 2-core machine, and 4 fake GPUs (gres
+# files that are symlinks to /dev/null): jobs get CUDA_VISIBLE_DEVICES/SLURM_JOB_GPUS but there is no
+# CUDA behind them. Accounting is real (slurmdbd + MariaDB), so `sacct` answers as on a site cluster.
+#
+# Settings (environment):
+#   HPCSPLIT_DEV_CLUSTER_DIR   state/log/spool folder (default /var/tmp/hpcsplit-dev-cluster)
+#   HPCSPLIT_DEV_CLUSTER_CPUS  CPUs the node advertises (default 8)
+#   HPCSPLIT_DEV_CLUSTER_GPUS  fake GPUs (default 4)
+#
+# Config files go to /etc/slurm (where sbatch/srun/sacct look without SLURM_CONF). The script refuses to
+# overwrite a slurm.conf it did not write.
+set -euo pipefail
+
+STATE=${HPCSPLIT_DEV_CLUSTER_DIR:-/var/tmp/hpcsplit-dev-cluster}
+NCPUS=${HPCSPLIT_DEV_CLUSTER_CPUS:-8}
+NGPUS=${HPCSPLIT_DEV_CLUSTER_GPUS:-4}
+ETC=/etc/slurm
+MARK="# written by hpcsplit slurm/dev-cluster.sh"
+HOST=$(hostname -s)
+CLUSTER=hpcsplit-dev
+PARTITION=debug
+DB_SOCK=/run/mysqld/mysqld.sock
+PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-client libpmix2)
+
+log() { printf '[dev-cluster] %s\n' "$*"; }
+die() { printf '[dev-cluster] ERROR: %s\n' "$*" >&2; exit 1; }
+
+pid_alive() {  # pid_alive FILE -> 0 when the PID in FILE runs
+    [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+    local limit=$1 what=$2
+    shift 2
+    local t0=$SECONDS
+    until "$@" >/dev/null 2>&1; do
+        if (( SECONDS - t0 >= limit )); then
+            return 1
+        fi
+        sleep 0.5
+    done
+    log "$what ready after $(( SECONDS - t0 )) s"
+}
+
+install_packages() {
+    local missing=()
+    for p in "${PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+    if (( ${#missing[@]} == 0 )); then
+        return
+    fi
+    [[ $(id -u) == 0 ]] || die "missing Debian packages: ${missing[*]}; run as root to install them"
+    log "installing ${missing[*]}"
+    # Keep package scripts from starting services (no systemd here; we start daemons by hand).
+    local policy=/usr/sbin/policy-rc.d ours=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy"
+        chmod 755 "$policy"
+        ours=1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    if (( ours )); then rm -f "$policy"; fi
+}
+
+write_configs() {
+    mkdir -p "$ETC" "$STATE"/{log,run,state,spool/slurmd,dev}
+    if [[ -e $ETC/slurm.conf ]] && ! grep -qF "$MARK" "$ETC/slurm.conf"; then
+        die "$ETC/slurm.conf exists and was not written by this script; not touching a real cluster's config"
+    fi
+    local i files
+    for (( i = 0; i < NGPUS; i++ )); do
+        ln -sfn /dev/null "$STATE/dev/nvidia$i"
+    done
+    local mem_mb
+    mem_mb=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
+    local gres_line="" gres_types=""
+    if (( NGPUS > 0 )); then
+        gres_line="Gres=gpu:$NGPUS"
+        gres_types="GresTypes=gpu"
+        files="$STATE/dev/nvidia[0-$(( NGPUS - 1 ))]"
+    fi
+    cat >"$ETC/slurm.conf.new" <<EOF
+$MARK
+ClusterName=$CLUSTER
+SlurmctldHost=$HOST(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SlurmdParameters=config_overrides
+ReturnToService=2
+MinJobAge=3600
+KillWait=5
+InactiveLimit=0
+SlurmctldPort=6817
+SlurmdPort=6818
+StateSaveLocation=$STATE/state
+SlurmdSpoolDir=$STATE/spool/slurmd
+SlurmctldPidFile=$STATE/run/slurmctld.pid
+SlurmdPidFile=$STATE/run/slurmd.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd.log
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=$HOST
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+$gres_types
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$NCPUS Sockets=1 CoresPerSocket=$NCPUS ThreadsPerCore=1 RealMemory=$mem_mb $gres_line State=UNKNOWN
+PartitionName=$PARTITION Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+EOF
+    mv "$ETC/slurm.conf.new" "$ETC/slurm.conf"
+    {
+        echo "$MARK"
+        echo "AutoDetect=off"
+        if (( NGPUS > 0 )); then echo "Name=gpu File=$files"; fi
+    } >"$ETC/gres.conf"
+    # slurmdbd refuses a config readable by others.
+    (
+        umask 077
+        cat >"$ETC/slurmdbd.conf" <<EOF
+$MARK
+AuthType=auth/munge
+DbdHost=$HOST
+DbdAddr=127.0.0.1
+DbdPort=6819
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=hpcsplit-dev
+StorageLoc=slurm_acct_db
+LogFile=$STATE/log/slurmdbd.log
+PidFile=$STATE/run/slurmdbd.pid
+EOF
+    )
+}
+
+start_munge() {
+    if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+        return
+    fi
+    if [[ ! -s /etc/munge/munge.key ]]; then
+        mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
+            || dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
+        chown munge:munge /etc/munge/munge.key
+        chmod 400 /etc/munge/munge.key
+    fi
+    install -d -o munge -g munge -m 0755 /run/munge
+    runuser -u munge -- /usr/sbin/munged
+    wait_for 20 munge sh -c 'munge -n | unmunge' || die "munged did not start (see /var/log/munge/munged.log)"
+    pgrep -u munge -x munged | head -1 >"$STATE/run/munged.pid.ours"
+}
+
+db_ping() { mariadb-admin --socket="$DB_SOCK" ping; }
+
+start_mariadb() {
+    if ! db_ping >/dev/null 2>&1; then
+        local datadir=$STATE/mysql
+        if [[ ! -d $datadir/mysql ]]; then
+            log "initialising MariaDB in $datadir"
+            install -d -o mysql -g mysql "$datadir"
+            mariadb-install-db --user=mysql --datadir="$datadir" --skip-test-db \
+                >"$STATE/log/mariadb-install.log" 2>&1 || die "mariadb-install-db failed: see $STATE/log/mariadb-install.log"
+        fi
+        install -d -o mysql -g mysql -m 0755 /run/mysqld "$STATE/log/mariadb"
+        if [[ -e $STATE/log/mariadb/error.log ]]; then
+            mv -f "$STATE/log/mariadb/error.log" "$STATE/log/mariadb/error.log.old"
+        fi
+        runuser -u mysql -- /usr/sbin/mariadbd --datadir="$datadir" --socket="$DB_SOCK" \
+            --pid-file=/run/mysqld/hpcsplit-dev.pid --skip-networking --log-error="$STATE/log/mariadb/error.log" \
+            --innodb-buffer-pool-size=64M --innodb-log-file-size=16M >/dev/null 2>&1 &
+        disown
+        local t0=$SECONDS
+        until db_ping >/dev/null 2>&1; do
+            if (( SECONDS - t0 > 60 )) || grep -q "ERROR.*Can't start server\|Aborting" "$STATE/log/mariadb/error.log" 2>/dev/null; then
+                tail -n 5 "$STATE/log/mariadb/error.log" >&2 || true
+                die "MariaDB did not start: see $STATE/log/mariadb/error.log"
+            fi
+            sleep 0.5
+        done
+        log "MariaDB ready after $(( SECONDS - t0 )) s"
+        cp /run/mysqld/hpcsplit-dev.pid "$STATE/run/mariadbd.pid.ours"
+    fi
+    mariadb --socket="$DB_SOCK" -e "
+        CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+        CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'hpcsplit-dev';
+        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';" \
+        || die "could not create the accounting database (is this MariaDB's root user allowed via its socket?)"
+}
+
+start_slurm() {
+    if ! pid_alive "$STATE/run/slurmdbd.pid"; then
+        slurmdbd || die "slurmdbd did not start: see $STATE/log/slurmdbd.log"
+        wait_for 30 slurmdbd sacctmgr -n -i show cluster \
+            || die "slurmdbd does not answer: see $STATE/log/slurmdbd.log"
+    fi
+    if ! pid_alive "$STATE/run/slurmctld.pid"; then
+        # -c: clean state, so a node left INVALID/DRAINED by an earlier run comes back.
+        slurmctld -c || die "slurmctld did not start: see $STATE/log/slurmctld.log"
+        wait_for 30 slurmctld scontrol ping || die "slurmctld does not answer: see $STATE/log/slurmctld.log"
+    fi
+    if ! pid_alive "$STATE/run/slurmd.pid"; then
+        slurmd || die "slurmd did not start: see $STATE/log/slurmd.log"
+    fi
+    if ! wait_for 60 "node $HOST idle" node_usable; then
+        log "node $HOST is $(node_state); resuming it"
+        scontrol update nodename="$HOST" state=resume || true
+        wait_for 30 "node $HOST idle" node_usable \
+            || die "node $HOST is $(node_state): see $STATE/log/slurmd.log and slurmctld.log"
+    fi
+    wait_for 30 sacct sacct -n -X -S now-1minute || die "sacct does not answer: see $STATE/log/slurmdbd.log"
+}
+
+node_state() { sinfo -h -n "$HOST" -o %T 2>/dev/null | head -1; }
+node_usable() { [[ $(node_state) =~ ^(idle|mixed|allocated|completing)$ ]]; }
+
+stop_pidfile() {  # stop_pidfile NAME FILE
+    local name=$1 file=$2
+    if pid_alive "$file"; then
+        local pid
+        pid=$(cat "$file")
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 40); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.25
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -9 "$pid" 2>/dev/null || true
+        fi
+        log "stopped $name (pid $pid)"
+    fi
+    rm -f "$file"
+}
+
+cmd_up() {
+    local t0=$SECONDS
+    [[ $(id -u) == 0 ]] || die "run as root (the dev cluster runs its daemons as root)"
+    install_packages
+    write_configs
+    start_munge
+    start_mariadb
+    start_slurm
+    log "up in $(( SECONDS - t0 )) s: cluster $CLUSTER, partition $PARTITION, node $HOST" \
+        "($NCPUS CPUs, gpu:$NGPUS fake), logs in $STATE/log"
+}
+
+cmd_down() {
+    stop_pidfile slurmd "$STATE/run/slurmd.pid"
+    stop_pidfile slurmctld "$STATE/run/slurmctld.pid"
+    stop_pidfile slurmdbd "$STATE/run/slurmdbd.pid"
+    if [[ -e $STATE/run/mariadbd.pid.ours ]]; then
+        stop_pidfile mariadbd "$STATE/run/mariadbd.pid.ours"
+    fi
+    if [[ -e $STATE/run/munged.pid.ours ]]; then
+        stop_pidfile munged "$STATE/run/munged.pid.ours"
+    fi
+    if [[ ${1:-} == --purge ]]; then
+        rm -rf "$STATE"
+        for f in slurm.conf gres.conf slurmdbd.conf; do
+            if [[ -e $ETC/$f ]] && grep -qF "$MARK" "$ETC/$f"; then rm -f "$ETC/$f"; fi
+        done
+        log "removed $STATE and the configs in $ETC"
+    fi
+    log "down"
+}
+
+cmd_status() {
+    local ok=0
+    for d in slurmdbd slurmctld slurmd; do
+        if pid_alive "$STATE/run/$d.pid"; then
+            log "$d running (pid $(cat "$STATE/run/$d.pid"))"
+        else
+            log "$d NOT running"
+            ok=1
+        fi
+    done
+    if command -v sinfo >/dev/null && sinfo -N -o '%N %T %c %G %P' 2>&1; then :; else ok=1; fi
+    squeue 2>&1 || ok=1
+    if sacct -X -S now-1hour -o JobID,JobName%20,State,ExitCode,Elapsed 2>&1 | tail -n 10; then
+        log "sacct answers"
+    else
+        ok=1
+    fi
+    if (( ok == 0 )) && node_usable; then
+        log "healthy: node $HOST $(node_state)"
+    else
+        log "NOT healthy (logs in $STATE/log)"
+        return 1
+    fi
+}
+
+case ${1:-} in
+    up) cmd_up ;;
+    down) shift; cmd_down "$@" ;;
+    status) cmd_status ;;
+    *) echo "usage: $0 up|down [--purge]|status" >&2; exit 2 ;;
+esac

@@ -48,7 +48,12 @@ class TensorSpec:
     bytes_per_sample: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "bytes_per_sample": self.bytes_per_sample}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "bytes_per_sample": self.bytes_per_sample,
+        }
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> TensorSpec:
@@ -171,7 +176,9 @@ class Layout:
             "dynamic_batch": self.dynamic_batch,
             "inputs": [t.to_json() for t in self.inputs],
             "input_spec": self.input_spec,
-            "outputs": [{**t.to_json(), "value": v} for t, v in zip(self.outputs, self.output_values, strict=True)],
+            "outputs": [
+                {**t.to_json(), "value": v} for t, v in zip(self.outputs, self.output_values, strict=True)
+            ],
             "output_spec": self.output_spec,
             "components": [c.to_json() for c in self.components],
             "edges": [e.to_json() for e in self.edges],
@@ -186,7 +193,9 @@ class Layout:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def _req(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, problems: list[str]) -> Any:
+def _req(
+    d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, problems: list[str]
+) -> Any:
     if key not in d:
         problems.append(f"{where}: missing key {key!r}")
         return None
@@ -212,7 +221,9 @@ def read_layout(path: Path) -> Layout:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SwitchboardError(f"{path} is not valid JSON ({e}); re-run the export") from e
     if not isinstance(d, dict):
-        raise SwitchboardError(f"{path}: found a JSON {type(d).__name__}; needed an object; re-run the export")
+        raise SwitchboardError(
+            f"{path}: found a JSON {type(d).__name__}; needed an object; re-run the export"
+        )
     version = d.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SwitchboardError(
@@ -247,7 +258,9 @@ def read_layout(path: Path) -> Layout:
             output_values=tuple(str(t["value"]) for t in d["outputs"]),
             output_spec=d["output_spec"],
             components=comps,
-            edges=tuple(Edge(str(e["src"]), str(e["src_name"]), str(e["dst"]), str(e["dst_name"])) for e in d["edges"]),
+            edges=tuple(
+                Edge(str(e["src"]), str(e["src_name"]), str(e["dst"]), str(e["dst_name"])) for e in d["edges"]
+            ),
             order=tuple(str(x) for x in d["order"]),
             whole=FileRef.from_json(d["whole"]),
             whole_param_bytes=int(d["whole"].get("param_bytes", 0)),
@@ -262,7 +275,9 @@ def read_layout(path: Path) -> Layout:
         raise SwitchboardError(f"{path} is malformed: bad or missing field {e}; re-run the export") from e
     names = [c.name for c in comps]
     if list(layout.order) != names:
-        raise SwitchboardError(f"{path} is malformed: order {list(layout.order)} does not match components {names}")
+        raise SwitchboardError(
+            f"{path} is malformed: order {list(layout.order)} does not match components {names}"
+        )
     _check_wiring(path, layout)
     return layout
 

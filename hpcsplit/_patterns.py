@@ -52,6 +52,7 @@ __all__ = [
 
 _EPS = 1e-9
 _GRID = 1000  # steps of the second knapsack resource in DP pricing
+_GRID_FINE = 10000  # for the optimistic DP that bounds the LP once column generation converged
 Pattern = tuple[tuple[int, int], ...]  # ((item index in kind.items, count), ...), sorted
 
 
@@ -168,36 +169,76 @@ def enumerate_patterns(kind: DeviceKind, limit: int, *, maximal_only: bool = Tru
     """All (maximal) patterns of ``kind``, or None when there are more than ``limit``.
 
     Maximal: no further item fits. Since adding a replica never lowers a throughput, an optimum
-    over maximal patterns is an optimum over all patterns.
+    over maximal patterns is an optimum over all patterns.  The search also gives up (None) after
+    visiting ``20 * limit`` partial patterns.
     """
     items = kind.items
+    n_it = len(items)
+    units = np.array([kind.slice_units[it.slice_idx] for it in items], float)
+    util = np.array([it.utilization for it in items])
+    mem = np.array([it.mem_bytes for it in items])
+    shared = kind.shared_mem_bytes
     out: list[Pattern] = []
-    counts: dict[int, int] = {}
+    counts: list[int] = [0] * n_it
+    slice_counts = [0] * len(kind.slice_sizes)
+    state = {"u": 0.0, "units": 0, "mem": 0.0, "n": 0, "visits": 0}
+
+    def fits_more(i: int) -> bool:
+        if state["n"] + 1 > kind.max_items or state["u"] + util[i] > kind.util_limit + 1e-9:
+            return False
+        if shared is not None and state["mem"] + mem[i] > shared * (1 + 1e-12):
+            return False
+        if kind.layouts is None:
+            return state["units"] + units[i] <= kind.capacity_units
+        slice_counts[items[i].slice_idx] += 1
+        ok = _layout_ok(kind, slice_counts)
+        slice_counts[items[i].slice_idx] -= 1
+        return ok
+
+    def maximal() -> bool:
+        room = (util <= kind.util_limit + 1e-9 - state["u"]) & (state["n"] < kind.max_items)
+        if shared is not None:
+            room &= mem <= shared * (1 + 1e-12) - state["mem"]
+        if kind.layouts is None:
+            room &= units <= kind.capacity_units - state["units"]
+            return not room.any()
+        return not any(fits_more(int(i)) for i in np.flatnonzero(room))
+
+    def add(i: int, sign: int) -> None:
+        counts[i] += sign
+        slice_counts[items[i].slice_idx] += sign
+        state["u"] += sign * util[i]
+        state["units"] += sign * int(units[i])
+        state["mem"] += sign * mem[i]
+        state["n"] += sign
 
     def rec(j: int) -> bool:
-        if j == len(items):
-            if counts and (not maximal_only or not any(_can_add(kind, counts, i) for i in range(len(items)))):
-                out.append(tuple(sorted(counts.items())))
+        state["visits"] += 1
+        if state["visits"] > 20 * limit:
+            return False
+        if j == n_it:
+            if state["n"] == 0 and maximal_only:
+                return True
+            if not maximal_only or maximal():
+                out.append(tuple((i, c) for i, c in enumerate(counts) if c))
                 if len(out) > limit:
                     return False
-            elif not counts and not maximal_only:
-                out.append(())
             return True
-        k = 0
+        added = 0
+        ok = True
         while True:
-            if k:
-                counts[j] = k
-                if not pattern_fits(kind, counts):
-                    break
             if not rec(j + 1):
-                return False
-            k += 1
-        counts.pop(j, None)
-        return True
+                ok = False
+                break
+            if not fits_more(j):
+                break
+            add(j, +1)
+            added += 1
+        for _ in range(added):
+            add(j, -1)
+        return ok
 
-    ok = rec(0)
-    counts.clear()
-    return out if ok else None
+    return out if rec(0) else None
 
 
 def _can_add(kind: DeviceKind, counts: dict[int, int], i: int) -> bool:
@@ -657,6 +698,7 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
     scale = max((it.throughput_rps for kd in instance.kinds for it in kd.items), default=1.0)
     slack = 1e3 * scale * max(1, na)
     bound = math.inf
+    exact_tries = 2
     for _ in range(max_iters):
         base = _pattern_base(instance, cols)
         res, rows = _lp(base, k, fixed, slack)
@@ -676,29 +718,39 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
         added = 0
         lagr = 0.0
         eps = 1e-7 * max(1.0, abs(lp_val))
+        vals_of = [np.array([pi[it.comp] * it.throughput_rps + beta[it.comp] for it in kind.items])
+                   for kind in instance.kinds]
+        exact = [False] * len(instance.kinds)
         for kk, kind in enumerate(instance.kinds):
-            vals = np.array([pi[it.comp] * it.throughput_rps + beta[it.comp] for it in kind.items])
-            fast = _dp_price(kind, vals, grid=_GRID, optimistic=False)
-            best, pat = fast if fast is not None else price_pattern(kind, vals)
+            fast = _dp_price(kind, vals_of[kk], grid=_GRID, optimistic=False)
+            exact[kk] = fast is None
+            best, pat = fast if fast is not None else price_pattern(kind, vals_of[kk])
             rc = best - mu[kk]
             if rc > eps and pat and (kk, pat) not in seen:
                 cols.append((kk, pat))
                 seen.add((kk, pat))
                 added += 1
-            elif fast is None:
-                lagr += kind.count * max(0.0, rc)  # exact pricing: rc is the true maximum
+        if added:
+            if len(cols) >= max_patterns:
+                notes.append(f"stage {k}: pattern pool reached max_patterns={max_patterns}")
+                return bound
+            continue
+        # converged for the conservative pricing: bound each kind's best reduced cost from above
+        for kk, kind in enumerate(instance.kinds):
+            if exact[kk]:
+                ub = price_pattern(kind, vals_of[kk])[0]
             else:
-                # the conservative DP found nothing: check with an optimistic DP, then exactly
-                opt = _dp_price(kind, vals, grid=_GRID, optimistic=True)
-                if opt is not None and opt[0] - mu[kk] <= eps:
-                    continue
-                ex_val, ex_pat, ex_ub = price_pattern(kind, vals, time_limit_s=0.5, with_bound=True)
-                if ex_val - mu[kk] > eps and ex_pat and (kk, ex_pat) not in seen:
-                    cols.append((kk, ex_pat))
-                    seen.add((kk, ex_pat))
-                    added += 1
-                else:
-                    lagr += kind.count * max(0.0, ex_ub - mu[kk])
+                opt = _dp_price(kind, vals_of[kk], grid=_GRID_FINE, optimistic=True)
+                ub = opt[0] if opt is not None else math.inf
+                if kind.count * (ub - mu[kk]) > 1e-3 * max(1.0, abs(lp_val)) and exact_tries > 0:
+                    exact_tries -= 1
+                    ex_val, ex_pat, ex_ub = price_pattern(kind, vals_of[kk], time_limit_s=0.3, with_bound=True)
+                    if ex_val - mu[kk] > eps and ex_pat and (kk, ex_pat) not in seen:
+                        cols.append((kk, ex_pat))
+                        seen.add((kk, ex_pat))
+                        added += 1
+                    ub = min(ub, ex_ub)
+            lagr += kind.count * max(0.0, ub - mu[kk])
         if not added:
             return min(bound, lp_val + lagr)
         if len(cols) >= max_patterns:

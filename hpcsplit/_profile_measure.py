@@ -23,16 +23,32 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import signal
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
 
-__all__ = ["GIB", "Measurement", "apply_slice", "measure_callable"]
+from hpcsplit.errors import ProfileError
+
+__all__ = [
+    "GIB",
+    "Measurement",
+    "StopOnSignal",
+    "apply_slice",
+    "chain_signal",
+    "cores_here",
+    "device_meta",
+    "load_on_device",
+    "measure_callable",
+]
 
 GIB = 2**30
 
@@ -286,3 +302,150 @@ def apply_slice(kind: str, slice_value: float, dev: Any) -> None:
         torch.cuda.set_per_process_memory_fraction(frac, dev)
     else:
         torch.set_num_threads(int(slice_value))
+
+
+def cores_here() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def device_meta(kind: str, dev: Any) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "torch_version": torch.__version__,
+        "cuda_version": str(torch.version.cuda or ""),
+        "driver_version": "",
+        "mig_device": "",
+        "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""),
+        "mps_pinned_device_mem_limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""),
+    }
+    if kind == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info["device_name"] = props.name
+        info["device_mem_bytes"] = int(props.total_memory)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if "MIG-" in visible:
+            info["mig_device"] = visible
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            drv = pynvml.nvmlSystemGetDriverVersion()
+            info["driver_version"] = drv.decode() if isinstance(drv, bytes) else str(drv)
+        except Exception:  # noqa: BLE001 - NVML missing: driver unknown
+            info["driver_version"] = "unknown (NVML unavailable)"
+        info["slice_semantics"] = (
+            "slice = GPU memory in GB (GiB, 2**30 bytes) per process; soft cap via per-process memory fraction "
+            "(torch.cuda.set_per_process_memory_fraction = slice / device memory): PyTorch's allocator raises "
+            "out-of-memory beyond it, but compute is shared and memory outside PyTorch's allocator is not "
+            "limited. Hard limits only come from MIG (mig_device) or MPS (mps_* attributes)."
+        )
+        info["latency_timer"] = "cuda_events"
+        info["peak_mem_method"] = "torch.cuda.max_memory_allocated over the timed runs"
+        info["utilization_method"] = "NVML utilization.gpu mean over a steady window (NaN without NVML)"
+    else:
+        info["device_name"] = _cpu_name()
+        info["device_mem_bytes"] = 0
+        info["slice_semantics"] = (
+            "slice = CPU threads of the rank (torch.set_num_threads); utilization = threads / cores_per_node"
+        )
+        info["latency_timer"] = "time.perf_counter"
+        info["peak_mem_method"] = (
+            "param_bytes + input bytes + peak live bytes of op-allocated storages in one traced run "
+            "(TorchDispatchMode); excludes kernel workspaces and malloc caching"
+        )
+        info["utilization_method"] = "threads / cores_per_node (measured busy share in cpu_busy_fraction)"
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return f"cpu: {platform.processor() or platform.machine()}"
+
+
+def load_on_device(sb: Any, name: str, dev: Any) -> Callable[..., Any]:
+    """``sb.load_component(name)`` on ``dev``.
+
+    On GPU: ``load_component(name, device=...)`` when the switchboard supports it, else the
+    returned callable's ``.to(dev)``, else the modules it closes over are moved in place.
+    """
+    if getattr(dev, "type", "cpu") != "cuda":
+        return sb.load_component(name)
+    import inspect
+
+    import torch
+
+    try:
+        if "device" in inspect.signature(sb.load_component).parameters:
+            return sb.load_component(name, device=dev)
+    except (TypeError, ValueError):
+        pass
+    fn = sb.load_component(name)
+    if isinstance(fn, torch.nn.Module):
+        return fn.to(dev)
+    held = [v for v in (getattr(fn, "__defaults__", None) or ()) if isinstance(v, torch.nn.Module)]
+    held += [
+        c.cell_contents
+        for c in (getattr(fn, "__closure__", None) or ())
+        if isinstance(getattr(c, "cell_contents", None), torch.nn.Module)
+    ]
+    if not held:
+        raise ProfileError(
+            f"component {name!r}: cannot move it to {dev}: load_component returned a {type(fn).__name__} "
+            "without modules to move; the switchboard needs load_component(name, device=...)."
+        )
+    for m in held:
+        m.to(dev)
+    return fn
+
+
+class StopOnSignal:
+    """Turn SIGTERM / SIGUSR2 (SLURM's pre-timeout signal) into a flag checked between cells."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR2")
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        print(
+            f"[hpcsplit.profile] got {signal.Signals(signum).name}: finishing the current cell, then stopping "
+            "(run the profile stage again to resume)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @property
+    def stopped(self) -> bool:
+        return self.signum is not None
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+
+def chain_signal(signum: int) -> None:
+    """Call the handler that was installed before ours (e.g. submitit's checkpoint-and-requeue)."""
+    prev = signal.getsignal(signum)
+    if callable(prev):
+        prev(signum, None)

@@ -44,20 +44,32 @@ from hpcsplit.errors import ConfigError, LaunchError
 __all__ = [
     "JobGeometry",
     "JobStatus",
-    "geometry",
     "executor_parameters",
-    "sbatch_text",
+    "geometry",
     "job_main",
     "job_status",
+    "run_mpi_slurm",
+    "sbatch_text",
     "submit",
     "wait_for_job",
-    "run_mpi_slurm",
 ]
 
 _ACTIVE = frozenset(
     {
-        "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-        "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "STOPPED", "RESV_DEL_HOLD", "PREEMPTED",
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESIZING",
+        "SUSPENDED",
+        "STAGE_OUT",
+        "SIGNALING",
+        "STOPPED",
+        "RESV_DEL_HOLD",
+        "PREEMPTED",
     }
 )
 _VANISHED_S = 60.0
@@ -169,7 +181,9 @@ def sbatch_text(
     from submitit.slurm import slurm as submitit_slurm
 
     params = executor_parameters(cfg, stage, ranks)
-    return submitit_slurm._make_sbatch_string(command=_submit_command(folder, python), folder=folder, **params)
+    return submitit_slurm._make_sbatch_string(
+        command=_submit_command(folder, python), folder=folder, **params
+    )
 
 
 def job_main(entry: str, cfg: dict[str, Any], run_dir: str) -> Any:
@@ -200,7 +214,9 @@ def job_status(job_id: str) -> JobStatus:
     out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Elapsed"])
     if out and out.strip():
         fields = out.strip().splitlines()[0].split("|") + ["", ""]
-        return JobStatus(fields[0].split()[0] if fields[0] else "UNKNOWN", fields[1] or None, fields[2] or None, "sacct")
+        return JobStatus(
+            fields[0].split()[0] if fields[0] else "UNKNOWN", fields[1] or None, fields[2] or None, "sacct"
+        )
     out = _run(["scontrol", "show", "job", "-o", job_id])
     if out and "JobState=" in out:
         kv = dict(tok.partition("=")[::2] for tok in out.split() if "=" in tok)
@@ -227,10 +243,8 @@ def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str) -> 
             elif line.startswith(("srun: error", "slurmstepd: error")) and line not in srun_lines:
                 srun_lines.append(line)
     err0 = folder / f"{job_id}_0_log.err"
-    parts = [
-        f"SLURM job {job_id} (stage={stage}) ended {status.state} (exit code {status.exit_code or '?'}) "
-        "without a result.",
-    ]
+    head = f"SLURM job {job_id} (stage={stage}) ended {status.state} (exit code {status.exit_code or '?'})"
+    parts = [f"{head} without a result."]
     if rank_lines:
         parts += ["Rank errors:", *(f"  {x}" for x in rank_lines[:20])]
     if srun_lines:
@@ -255,7 +269,9 @@ class SubmittedJob:
     time_min: int
 
 
-def submit(entry: str, cfg: dict[str, Any], run_dir: Path, stage: str, ranks: int | None = None) -> SubmittedJob:
+def submit(
+    entry: str, cfg: dict[str, Any], run_dir: Path, stage: str, ranks: int | None = None
+) -> SubmittedJob:
     """Submit ``entry`` as one SLURM job through submitit (does not wait)."""
     try:
         import submitit
@@ -278,7 +294,7 @@ def submit(entry: str, cfg: dict[str, Any], run_dir: Path, stage: str, ranks: in
         raise ConfigError(f"submitit rejected the SLURM parameters {sorted(params)}: {e}") from e
     try:
         job = ex.submit(job_main, entry, cfg, str(run_dir))
-    except Exception as e:  # noqa: BLE001 - sbatch refused: show its message
+    except Exception as e:
         raise LaunchError(
             f"sbatch refused the {stage} job ({', '.join(f'{k}={v}' for k, v in params.items() if k != 'setup')}):"
             f"\n{e}\nCheck partition/account/qos in cluster.slurm (sinfo, sacctmgr show assoc user=$USER)."
@@ -355,8 +371,10 @@ def wait_for_job(
     while status.state == "COMPLETED" and not job.result.exists() and time.monotonic() < deadline:
         time.sleep(0.5)  # shared filesystems may show the file late
     if status.state == "COMPLETED" and job.result.exists():
-        echo(f"[hpcsplit] job {job.job_id} {job.stage}: COMPLETED in {_fmt(time.monotonic() - t0)}; "
-             f"logs in {job.folder}")
+        echo(
+            f"[hpcsplit] job {job.job_id} {job.stage}: COMPLETED in {_fmt(time.monotonic() - t0)}; "
+            f"logs in {job.folder}"
+        )
         return json.loads(job.result.read_text())
     if status.state == "UNKNOWN":
         status = JobStatus("LOST (no scheduler knows it)", None, None, "none")
@@ -397,4 +415,3 @@ def run_mpi_slurm(
         progress_s=float(launcher.get("progress_s") or 30),
         echo=echo,
     )
-

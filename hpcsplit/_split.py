@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,9 @@ def _assign(gm: fx.GraphModule, components: Sequence[Component]) -> dict[str, in
         if n.op in ("placeholder", "get_attr", "output") or n.name in part or _is_sym_node(n):
             continue
         if n.name in keep:
-            raise PartitionError(f"found data node {n.name!r} in no component; needed every data node assigned")
+            raise PartitionError(
+                f"found data node {n.name!r} in no component; needed every data node assigned"
+            )
         users = [part[u.name] for u in n.users if u.name in part]
         if not users:  # used only by symbolic-size nodes or the output
             users = [part[w.name] for u in n.users for w in u.users if w.name in part] or [last]
@@ -117,7 +120,9 @@ def _sym_sources(n: fx.Node, acc: list[fx.Node]) -> None:
             _sym_sources(a, acc)
 
 
-def _build_piece(gm: fx.GraphModule, members: list[fx.Node], part: dict[str, int], idx: int, bsym: Any) -> tuple:
+def _build_piece(
+    gm: fx.GraphModule, members: list[fx.Node], part: dict[str, int], idx: int, bsym: Any
+) -> tuple:
     inside = {n.name for n in members}
     externals: dict[str, fx.Node] = {}
     syms: list[fx.Node] = []
@@ -131,7 +136,8 @@ def _build_piece(gm: fx.GraphModule, members: list[fx.Node], part: dict[str, int
                 externals.setdefault(a.name, a)
     # a sym_size needs a tensor in this piece carrying the same symbol
     for s in syms:
-        src, expr = s.args[0], _expr(s.meta.get("val"))
+        src: Any = s.args[0]
+        expr = _expr(s.meta.get("val"))
         ok = src.name in inside or src.name in externals
         ok = ok or any(_dims_with(e.meta.get("val"), expr) for e in externals.values())
         if not ok:
@@ -152,7 +158,8 @@ def _build_piece(gm: fx.GraphModule, members: list[fx.Node], part: dict[str, int
             env[a.name] = g.get_attr(a.target)  # type: ignore[arg-type]
             env[a.name].meta = dict(a.meta)
         elif a.op == "call_function" and a.target is torch.ops.aten.sym_size.int and a.name not in inside:
-            src, expr = a.args[0], _expr(a.meta.get("val"))
+            src: Any = a.args[0]
+            expr = _expr(a.meta.get("val"))
             if src.name not in env:
                 for e in inputs:
                     dims = _dims_with(e.meta.get("val"), expr)
@@ -198,7 +205,11 @@ def split_graph(cg: ComputeGraph, components: Sequence[Component]) -> SplitResul
     PartitionError
         When a value would be needed before it is computed, or a component yields no output.
     """
-    gm = copy.deepcopy(cg.module)
+    gm = cg.exported.module()  # a fresh copy to cut; cg.module stays as captured
+    if [n.name for n in gm.graph.nodes] != [n.name for n in cg.module.graph.nodes]:  # pragma: no cover
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            gm = copy.deepcopy(cg.module)
     _drop_dead(gm)
     bsym = _batch_symbol(gm) if cg.dynamic_batch else None
     part = _assign(gm, components)
@@ -221,7 +232,9 @@ def split_graph(cg: ComputeGraph, components: Sequence[Component]) -> SplitResul
 
 
 def run_pieces(
-    pieces: Sequence[Any], names: Sequence[tuple[tuple[str, ...], tuple[str, ...]]], env: dict[str, torch.Tensor]
+    pieces: Sequence[Any],
+    names: Sequence[tuple[tuple[str, ...], tuple[str, ...]]],
+    env: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """Run callables in order on ``env`` (value name -> tensor); ``names`` gives (inputs, outputs)."""
     for fn, (ins, outs) in zip(pieces, names, strict=True):

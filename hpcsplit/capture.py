@@ -128,7 +128,7 @@ def _explain(e: BaseException) -> str:
     return f"{first}\n  what to change: {hint}"
 
 
-def _bind(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+def _bind(model: torch.nn.Module, args: Any, kwargs: Any) -> dict[str, Any] | None:
     try:
         sig = inspect.signature(model.forward)
         bound = sig.bind(*args, **kwargs)
@@ -187,7 +187,7 @@ def capture(
                 f"found dim-0 sizes {sizes}; needed the same batch size on dim 0 of every input "
                 "tensor; fix the example inputs or capture with dynamic_batch=False"
             )
-        batch = int(next(iter(distinct)))
+        batch = int(next(iter(distinct)) or 0)
         if batch < 2:
             reps = 2 // max(batch, 1)
             args, kwargs = pytree.tree_map(lambda t: t.repeat(reps, *([1] * (t.dim() - 1))), (args, kwargs))
@@ -208,7 +208,7 @@ def capture(
             dynamic_shapes = pytree.tree_map(spec, args)
     try:
         with torch.no_grad():
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            ep = torch.export.export(model, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:
         raise CaptureError(f"torch.export could not trace {type(model).__name__}: {_explain(e)}") from e
     gm = ep.module()
@@ -361,7 +361,9 @@ def measure_nodes(
             timer.run(*inputs)
     per = max(bs, 1)
     return {
-        k: NodeCost(latency_ms=timer.latency[k], flops=timer.flops[k], bytes_per_sample=timer.nbytes[k] // per)
+        k: NodeCost(
+            latency_ms=timer.latency[k], flops=timer.flops[k], bytes_per_sample=timer.nbytes[k] // per
+        )
         for k in timer.latency
     }
 

@@ -22,12 +22,12 @@ from typing import Any
 from hpcsplit.errors import ConfigError
 
 __all__ = [
-    "STAGES",
     "LAUNCHERS",
     "MPI_STAGES",
+    "STAGES",
     "conf_dir",
-    "rewrite_argv",
     "launch_problems",
+    "rewrite_argv",
     "validate",
 ]
 
@@ -69,8 +69,8 @@ def _group_options(key: str, conf: Path | None) -> set[str] | None:
     return {p.stem for p in folder.glob("*.yaml")}
 
 
-def _looks_like_path(value: str) -> bool:
-    return "/" in value or "." in value or value.startswith("~") or os.path.exists(value)
+def _looks_like_path(value: str, base: Path) -> bool:
+    return "/" in value or "." in value or value.startswith("~") or (base / value).exists()
 
 
 def _quote(value: str) -> str:
@@ -121,7 +121,7 @@ def rewrite_argv(argv: Sequence[str], conf: Path | None = None, cwd: Path | None
         if options is not None and value in options:
             out.append(arg)
             continue
-        if is_group and not _looks_like_path(value):
+        if is_group and not _looks_like_path(value, base):
             out.append(arg)  # let Hydra list the group's options
             continue
         path = Path(os.path.expanduser(value))

@@ -36,7 +36,7 @@ from hpcsplit import _rank
 from hpcsplit.config import conf_dir, validate
 from hpcsplit.errors import HpcsplitError, LaunchError
 
-__all__ = ["main", "hydra_main", "run_stage", "run_mpi", "run_mpi_local", "find_mpiexec", "mpiexec_command"]
+__all__ = ["find_mpiexec", "hydra_main", "main", "mpiexec_command", "run_mpi", "run_mpi_local", "run_stage"]
 
 # [Note: stage table] stage -> (module, function); MPI stages name their rank entry point.
 LOCAL_STAGES: dict[str, tuple[str, str]] = {
@@ -93,7 +93,7 @@ def find_mpiexec(name: str | None = None) -> str:
 def mpiexec_flavour(mpiexec: str) -> str:
     """``"openmpi"``, ``"mpich"`` or ``"unknown"``, from ``mpiexec --version``."""
     try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([mpiexec, "--version"], check=False, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     text = out.stdout + out.stderr
@@ -120,6 +120,34 @@ def mpiexec_command(
     cmd += ["-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank", entry]
     cmd += [str(cfg_path), str(run_dir)]
     return cmd
+
+
+# Variables of the SLURM step this process may run in; they do not describe a local mpiexec world.
+_STEP_VARS = (
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+)
+
+
+def _local_env(mpiexec: str, echo: Echo) -> dict[str, str]:
+    """Environment of local ranks.  Inside an srun step (e.g. Hydra's submitit launcher) MPICH's
+    mpiexec would start its proxies with srun, which waits for resources the step already holds:
+    fork the ranks on this node instead, and hide the outer step's task variables from them.
+    In a batch script (no step) mpiexec uses the allocation as usual."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
+        if mpiexec_flavour(mpiexec) == "mpich" and "HYDRA_BOOTSTRAP" not in env:
+            env["HYDRA_BOOTSTRAP"] = "fork"
+            echo(
+                f"[hpcsplit] inside SLURM step {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}: ranks forked here"
+            )
+        for var in _STEP_VARS:
+            env.pop(var, None)
+    return env
 
 
 def _pump(src: IO[str], sinks: list[IO[str]], keep: deque[str] | None) -> None:
@@ -177,7 +205,7 @@ def run_mpi_local(
     timeout_s = None if timeout_min is None else float(timeout_min) * 60
     log_path = run_dir / f"{stage}.log"
     echo(f"[hpcsplit] {stage}: {ranks} MPI rank(s): {' '.join(cmd[:3])} ... {entry}; log {log_path}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = _local_env(mpiexec, echo)
     t0 = time.monotonic()
     tail: deque[str] = deque(maxlen=60)
     with open(log_path, "w") as log:
@@ -393,7 +421,10 @@ def main(cfg: Mapping[str, Any], run_dir: str | Path | None = None, echo: Echo =
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    cfg = json.loads(json.dumps(cfg, default=str))  # a private, JSON-able copy
+    return _main(json.loads(json.dumps(cfg, default=str)), run_dir, echo)  # a private, JSON-able copy
+
+
+def _main(cfg: dict[str, Any], run_dir: str | Path | None, echo: Echo) -> dict[str, Any]:
     validate(cfg)
     if run_dir is None:
         run_dir = (cfg.get("paths") or {}).get("run_dir") or Path.cwd()
@@ -406,7 +437,12 @@ def main(cfg: Mapping[str, Any], run_dir: str | Path | None = None, echo: Echo =
     echo(f"[hpcsplit] stage={stage} launcher={launcher} cluster={cluster} run folder {run_dir}")
     t0 = time.monotonic()
     result = _run_all(cfg, run_dir, echo) if stage == "all" else _timed(stage, cfg, run_dir, echo)
-    summary = {"stage": stage, "launcher": launcher, "run_dir": str(run_dir), "elapsed_s": time.monotonic() - t0}
+    summary = {
+        "stage": stage,
+        "launcher": launcher,
+        "run_dir": str(run_dir),
+        "elapsed_s": time.monotonic() - t0,
+    }
     (run_dir / "launch.json").write_text(json.dumps({**summary, "result": result}, indent=2, default=str))
     echo(f"[hpcsplit] outputs of stage={stage} are in {run_dir}")
     return {**summary, "result": result}

@@ -92,7 +92,7 @@ class ClipLogits(nn.Module):
         return out.logits_per_image
 
 
-_TINY = {
+_TINY: dict[str, Any] = {
     "text": {
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -143,7 +143,9 @@ def build_clip(
     elif size == "tiny":
         clip = CLIPModel(
             CLIPConfig(
-                text_config=_TINY["text"], vision_config=_TINY["vision"], projection_dim=_TINY["projection_dim"]
+                text_config=_TINY["text"],
+                vision_config=_TINY["vision"],
+                projection_dim=_TINY["projection_dim"],
             )
         )
     else:
@@ -152,7 +154,12 @@ def build_clip(
 
 
 def example_inputs(
-    name: str, batch_size: int = 2, *, model: nn.Module | None = None, seed: int = 0, seq_len: int | None = None
+    name: str,
+    batch_size: int = 2,
+    *,
+    model: nn.Module | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Random example inputs for a named model.
 
@@ -175,7 +182,7 @@ def example_inputs(
         return (torch.randn(batch_size, d_in, generator=gen),)
     if name in ("clip", "clip_tiny"):
         if model is not None:
-            cfg = model.clip.config  # type: ignore[union-attr]
+            cfg: Any = model.clip.config  # type: ignore[union-attr]
             image, vocab = cfg.vision_config.image_size, cfg.text_config.vocab_size
             max_pos = cfg.text_config.max_position_embeddings
         elif name == "clip_tiny":
@@ -202,13 +209,19 @@ def build_model(cfg_model: Mapping[str, Any]) -> tuple[nn.Module, tuple[torch.Te
     bs = int(cfg_model.get("batch_size", 2) or 2)
     if name in ("toy", "toy_mlp"):
         model: nn.Module = build_toy(
-            int(cfg_model.get("d_in", 64)), int(cfg_model.get("hidden", 256)), int(cfg_model.get("d_out", 10)), seed
+            int(cfg_model.get("d_in", 64)),
+            int(cfg_model.get("hidden", 256)),
+            int(cfg_model.get("d_out", 10)),
+            seed,
         )
         return model, example_inputs("toy_mlp", bs, model=model, seed=seed), {}
     if name in ("clip", "clip_tiny"):
         size = str(cfg_model.get("size", "tiny" if name == "clip_tiny" else "base"))
         model = build_clip(
-            size, cfg_model.get("checkpoint"), both_logits=bool(cfg_model.get("both_logits", False)), seed=seed
+            size,
+            cfg_model.get("checkpoint"),
+            both_logits=bool(cfg_model.get("both_logits", False)),
+            seed=seed,
         )
         seq = cfg_model.get("seq_len")
         return model, example_inputs(name, bs, model=model, seed=seed, seq_len=int(seq) if seq else None), {}

@@ -25,8 +25,8 @@ nodes with no data (guards, asserts, ``get_attr``) must be left out by the calle
    has chains that can run side by side (the toy's nested diamond). Every branch must carry at
    least ``min_branch_fraction`` of the total work.
 4. Regions are chosen greedily by the work they take off the critical path
-   (interior work minus the heaviest branch); a chosen region may nest inside one branch of
-   another, never overlap it.
+   (interior work minus the heaviest branch), disconnected-branch regions before chain regions;
+   a chosen region may nest inside one branch of another, never overlap it.
 5. Nodes outside the chosen branches become sequential components, grouped by how many
    chosen regions lie before them (stem, head, ...). This keeps the component graph acyclic.
 6. ``stages`` / ``max_stage_ms`` cut components further, at topological positions near
@@ -191,11 +191,14 @@ class _Prepared:
     def __init__(self, g: nx.DiGraph) -> None:
         if g.number_of_nodes() == 0:
             raise PartitionError("found an empty dataflow graph; needed at least one node")
-        if not nx.is_directed_acyclic_graph(g):
-            raise PartitionError("found a cycle in the dataflow graph; needed a DAG (a captured model)")
         self.g = g
         self.h = _with_terminals(g)
-        self.order = list(nx.topological_sort(self.h))
+        try:
+            self.order = list(nx.topological_sort(self.h))
+        except nx.NetworkXUnfeasible as e:
+            raise PartitionError(
+                "found a cycle in the dataflow graph; needed a DAG (a captured model)"
+            ) from e
         self.pos = {v: i for i, v in enumerate(self.order)}
         self.work = {v: float(g.nodes[v].get("work", 1.0)) for v in g.nodes}
         self.total = sum(self.work.values())
@@ -283,7 +286,9 @@ def find_regions(g: nx.DiGraph, *, min_branch_fraction: float = 0.0, max_branche
 def _select(regions: list[Region]) -> list[Region]:
     """Greedy by benefit: keep regions that are disjoint from, or nested in one branch of, each other."""
     chosen: list[tuple[Region, set, list[set]]] = []
-    for r in sorted(regions, key=lambda r: -r.benefit):
+    # regions whose branches are disconnected come first: a "chains" region only fills in where
+    # no such region lies (a skip edge over a diamond keeps the diamond)
+    for r in sorted(regions, key=lambda r: (r.kind != "disjoint", -r.benefit)):
         if r.benefit <= 0:
             continue
         inner = {v for br in r.branches for v in br}

@@ -19,13 +19,14 @@ dev cluster's GPUs are symlinks to /dev/null.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 from typing import Any
 
-__all__ = ["mpi_main", "probe_row", "format_table", "owned_gpu"]
+__all__ = ["format_table", "mpi_main", "owned_gpu", "probe_row"]
 
 _COLUMNS = (
     ("host", "host"),
@@ -120,10 +121,8 @@ def _nvml_info(device: str | None) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         info["nvml_error"] = f"{type(e).__name__}: {e}"
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
     return info
 
 

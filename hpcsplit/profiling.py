@@ -16,14 +16,23 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-from hpcsplit._profile_measure import GIB, Measurement, apply_slice, measure_callable
+from hpcsplit._profile_measure import (
+    GIB,
+    Measurement,
+    StopOnSignal,
+    apply_slice,
+    chain_signal,
+    cores_here,
+    device_meta,
+    load_on_device,
+    measure_callable,
+)
 from hpcsplit.errors import ConfigError, ProfileError
 from hpcsplit.profile_io import (
     SCHEMA_VERSION,
@@ -35,12 +44,13 @@ from hpcsplit.profile_io import (
 
 __all__ = [
     "Measurement",
+    "ProfileJob",
     "ProfileSettings",
     "default_batch_sizes",
     "measure_callable",
     "mpi_main",
-    "profile_components_mpi",
     "profile_components",
+    "profile_components_mpi",
 ]
 
 
@@ -113,7 +123,7 @@ class ProfileSettings:
             problems.append(
                 f"profile.warmup={warmup}, profile.iters={iters}: need warmup >= 0 and iters >= 1"
             )
-        cores = cluster.get("cores_per_node") or _cores_here()
+        cores = cluster.get("cores_per_node") or cores_here()
         comps = p.get("components")
         if problems:
             raise ConfigError("invalid profile settings: " + "; ".join(problems))
@@ -131,13 +141,6 @@ class ProfileSettings:
         )
 
 
-def _cores_here() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def _device_kind(device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -151,44 +154,6 @@ def _device_kind(device: str) -> str:
             "visible; SLURM gres alone does not provide CUDA); use profile.device=auto or cpu."
         )
     return "cpu"
-
-
-# ---------------------------------------------------------------------------------------------- signals
-
-
-class _StopOnSignal:
-    """Turn SIGTERM / SIGUSR2 (SLURM's pre-timeout signal) into a flag checked between cells."""
-
-    SIGNALS = ("SIGTERM", "SIGUSR2")
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        print(
-            f"[hpcsplit.profile] got {signal.Signals(signum).name}: finishing the current cell, then stopping "
-            "(run the profile stage again to resume)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    @property
-    def stopped(self) -> bool:
-        return self.signum is not None
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -216,72 +181,10 @@ def _layouts(sb: Any, names: Sequence[str]) -> list[ComponentLayout]:
     return out
 
 
-def _device_meta(kind: str, dev: Any) -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "torch_version": torch.__version__,
-        "cuda_version": str(torch.version.cuda or ""),
-        "driver_version": "",
-        "mig_device": "",
-        "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""),
-        "mps_pinned_device_mem_limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""),
-    }
-    if kind == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        info["device_name"] = props.name
-        info["device_mem_bytes"] = int(props.total_memory)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        if "MIG-" in visible:
-            info["mig_device"] = visible
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            drv = pynvml.nvmlSystemGetDriverVersion()
-            info["driver_version"] = drv.decode() if isinstance(drv, bytes) else str(drv)
-        except Exception:  # noqa: BLE001 - NVML missing: driver unknown
-            info["driver_version"] = "unknown (NVML unavailable)"
-        info["slice_semantics"] = (
-            "slice = GPU memory in GB (GiB, 2**30 bytes) per process; soft cap via per-process memory fraction "
-            "(torch.cuda.set_per_process_memory_fraction = slice / device memory): PyTorch's allocator raises "
-            "out-of-memory beyond it, but compute is shared and memory outside PyTorch's allocator is not "
-            "limited. Hard limits only come from MIG (mig_device) or MPS (mps_* attributes)."
-        )
-        info["latency_timer"] = "cuda_events"
-        info["peak_mem_method"] = "torch.cuda.max_memory_allocated over the timed runs"
-        info["utilization_method"] = "NVML utilization.gpu mean over a steady window (NaN without NVML)"
-    else:
-        info["device_name"] = _cpu_name()
-        info["device_mem_bytes"] = 0
-        info["slice_semantics"] = (
-            "slice = CPU threads of the rank (torch.set_num_threads); utilization = threads / cores_per_node"
-        )
-        info["latency_timer"] = "time.perf_counter"
-        info["peak_mem_method"] = (
-            "param_bytes + input bytes + peak live bytes of op-allocated storages in one traced run "
-            "(TorchDispatchMode); excludes kernel workspaces and malloc caching"
-        )
-        info["utilization_method"] = "threads / cores_per_node (measured busy share in cpu_busy_fraction)"
-    return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return "cpu: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return f"cpu: {platform.processor() or platform.machine()}"
-
-
 def _meta(sb: Any, s: ProfileSettings, dev: Any, names: Sequence[str]) -> ProfileMeta:
     from hpcsplit import __version__
 
-    info = _device_meta(s.device_kind, dev)
+    info = device_meta(s.device_kind, dev)
     return ProfileMeta(
         schema_version=SCHEMA_VERSION,
         hpcsplit_version=__version__,
@@ -310,13 +213,6 @@ def _load_switchboard(switchboard: Any) -> Any:
 
         return Switchboard.load(switchboard)
     return switchboard
-
-
-def _load_fn(sb: Any, name: str, dev: Any) -> Callable[..., Any]:
-    fn = sb.load_component(name)
-    if getattr(dev, "type", "cpu") == "cuda" and hasattr(fn, "to"):
-        fn = fn.to(dev)
-    return fn
 
 
 def profile_components(
@@ -385,7 +281,7 @@ def profile_components(
         iters=iters,
         util_window_ms=util_window_ms,
         util_sample_ms=util_sample_ms,
-        cores_per_node=int(cores_per_node or _cores_here()),
+        cores_per_node=int(cores_per_node or cores_here()),
         components=tuple(names),
         progress=progress,
     )
@@ -399,13 +295,14 @@ def profile_components(
         missing = set(writer.missing_cells())
         todo = [c for c in (cells if cells is not None else sorted(missing)) if c in missing]
         n_total, n_done = len(todo), 0
+        inputs: dict[int, dict[str, Any]] = {}
         interrupted = False
-        with _StopOnSignal() as stop:
+        with StopOnSignal() as stop:
             for name in names:
                 rows = sorted({(si) for (n, _b, si) in todo if n == name})
                 if not rows:
                     continue
-                fn = _load_fn(sb, name, dev)
+                fn = load_on_device(sb, name, dev)
                 pbytes = next(lay.param_bytes for lay in layouts if lay.name == name)
                 for si in rows:
                     apply_slice(kind, s.slices[si], dev)
@@ -417,7 +314,7 @@ def profile_components(
                         if oom_at is not None and bi > oom_at:
                             writer.write_cell(_inferred_oom(name, bi, si, rank))
                         else:
-                            cell = _measure_cell(sb, fn, name, bi, si, s, dev, pbytes, rank)
+                            cell = _measure_cell(sb, fn, name, bi, si, s, dev, pbytes, rank, inputs)
                             writer.write_cell(cell)
                             if cell.oom:
                                 oom_at = bi if oom_at is None else min(oom_at, bi)
@@ -449,22 +346,12 @@ def profile_components(
         "wall_s": round(time.perf_counter() - t_start, 3),
     }
     if interrupted and chain_signal and signum:
-        _chain_signal(signum)
+        chain_signal(signum)
     return summary
-
-
-def _chain_signal(signum: int) -> None:
-    """Call the handler that was installed before ours (e.g. submitit's checkpoint-and-requeue)."""
-    prev = signal.getsignal(signum)
-    if callable(prev):
-        prev(signum, None)
 
 
 def _inferred_oom(name: str, bi: int, si: int, rank: int) -> CellResult:
     return CellResult(name, bi, si, (), math.nan, math.nan, math.nan, True, True, -1, -1, rank, time.time())
-
-
-_INPUT_CACHE: dict[tuple[int, int], dict[str, Any]] = {}
 
 
 def _measure_cell(
@@ -477,13 +364,12 @@ def _measure_cell(
     dev: Any,
     pbytes: int,
     rank: int,
+    cache: dict[int, dict[str, Any]],
 ) -> CellResult:
     b = s.batch_sizes[bi]
-    key = (id(sb), b)
-    if key not in _INPUT_CACHE:
-        _INPUT_CACHE.clear()  # keep one batch size's activations at a time
-        _INPUT_CACHE[key] = sb.component_example_inputs(b)
-    inputs = tuple(_INPUT_CACHE[key][name])
+    if b not in cache:  # activations of every component at this batch size, kept for the run
+        cache[b] = sb.component_example_inputs(b)
+    inputs = tuple(cache[b][name])
     if dev.type == "cuda":
         inputs = tuple(x.to(dev) if hasattr(x, "to") else x for x in inputs)
     m = measure_callable(
@@ -635,7 +521,11 @@ def profile_components_mpi(
             flush=True,
         )
     missing = comm.bcast(missing, root=0)
-    weight = {lay.name: float(lay.param_bytes + 1) for lay in layouts}
+    # cost of a row: the export's measured work_ms when known, else the parameter bytes
+    weight = {
+        lay.name: float(_get(sb.components[lay.name], "work_ms", 0) or 0) or float(lay.param_bytes + 1)
+        for lay in layouts
+    }
     mine = _assign_rows(missing, size, weight, s.slices, s.device_kind)[rank]
     summary: dict[str, Any] = {"cells_measured": 0, "interrupted": False, "signal": None}
     if mine:
@@ -685,8 +575,32 @@ def profile_components_mpi(
     signum = summary.get("signal")
     if signum:
         comm.barrier()  # the merged file is flushed before any requeue handler runs
-        _chain_signal(int(getattr(signal, signum)))
+        chain_signal(int(getattr(signal, signum)))
     return result
+
+
+class ProfileJob:
+    """A checkpointable submitit job function for the profile stage.
+
+    Submit ``ProfileJob()(entry, cfg, run_dir)`` instead of ``hpcsplit._slurm.job_main`` (with
+    ``max_num_timeout > 0``): on SLURM's USR2 warning or a preemption the ranks finish their cell
+    and flush, then submitit calls :meth:`checkpoint` and requeues the same call, which resumes
+    the profile file.
+    """
+
+    def __init__(self, job_fn: str = "hpcsplit._slurm:job_main") -> None:
+        self.job_fn = job_fn
+
+    def __call__(self, entry: str, cfg: dict[str, Any], run_dir: str) -> Any:
+        from hpcsplit._rank import resolve
+
+        return resolve(self.job_fn)(entry, cfg, run_dir)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """Resubmit the same call (the profile file keeps what was measured)."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, *args, **kwargs)
 
 
 def _merge_parts(w: ProfileWriter, out: Path) -> int:

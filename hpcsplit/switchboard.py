@@ -128,7 +128,9 @@ class Switchboard:
     returns.
     """
 
-    def __init__(self, path: Path, layout: L.Layout, layout_sha256: str, golden: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, path: Path, layout: L.Layout, layout_sha256: str, golden: dict[str, torch.Tensor]
+    ) -> None:
         self.path = path
         self.layout = layout
         self.sha256 = layout_sha256
@@ -180,14 +182,18 @@ class Switchboard:
             raise SwitchboardError(f"{what} file {path} cannot be loaded by torch.export.load: {e}") from e
         return ep
 
-    def load_component(self, name: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def load_component(
+        self, name: str, device: str | torch.device | None = None
+    ) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The program of one component: positional tensors (``spec.inputs`` order) -> tuple of tensors.
 
-        Only that component's program is read (and its hash checked).
+        Only that component's program is read (and its hash checked). With ``device`` the program
+        is moved there (``torch.export.passes.move_to_device_pass``); inputs must be on it too.
         """
         if name not in self.components:
             raise SwitchboardError(f"found no component {name!r}; components: {list(self.components)}")
-        if name not in self._loaded:
+        key = f"{name}@{device}" if device is not None else name
+        if key not in self._loaded:
             spec = self.components[name]
             ep = self._load_program(spec.program, spec, f"program of component {name!r}")
             n_in = sum(1 for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT")
@@ -196,19 +202,19 @@ class Switchboard:
                     f"program {self.path / spec.program} takes {n_in} inputs; layout.json records "
                     f"{len(spec.inputs)} for {name!r}; the file belongs to another export; re-run the export"
                 )
-            mod = ep.module()
+            mod = _on_device(ep, device).module()
 
             def run(*xs: torch.Tensor, _m: Any = mod) -> tuple[torch.Tensor, ...]:
                 out = _m(*xs)
                 return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-            self._loaded[name] = run
-        return self._loaded[name]
+            self._loaded[key] = run
+        return self._loaded[key]
 
-    def load_whole(self) -> Callable[..., tuple[torch.Tensor, ...]]:
+    def load_whole(self, device: str | torch.device | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The unsplit model: flat inputs (model input order) -> flat outputs (model output order)."""
         ep = self._load_program(self.layout.whole.file, self.layout.whole, "whole-model program")
-        mod = ep.module()
+        mod = _on_device(ep, device).module()
         in_spec = self._in_spec
 
         def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -255,7 +261,10 @@ class Switchboard:
             )
         env = dict(zip((t.name for t in self.layout.inputs), flat_inputs, strict=True))
         fns = [self.load_component(n) for n in self.order]
-        names = [(tuple(t.name for t in c.inputs), tuple(t.name for t in c.outputs)) for c in self.layout.components]
+        names = [
+            (tuple(t.name for t in c.inputs), tuple(t.name for t in c.outputs))
+            for c in self.layout.components
+        ]
         with torch.no_grad():
             run_pieces(fns, names, env)
         return tuple(env[v] for v in self.layout.output_values)
@@ -318,6 +327,14 @@ class Switchboard:
 
     def __repr__(self) -> str:
         return f"Switchboard({str(self.path)!r}, model={self.model_name!r}, components={list(self.order)})"
+
+
+def _on_device(ep: Any, device: str | torch.device | None) -> Any:
+    if device is None or torch.device(device).type == "cpu":
+        return ep
+    from torch.export.passes import move_to_device_pass
+
+    return move_to_device_pass(ep, torch.device(device))
 
 
 def _human(n: int) -> str:
@@ -394,7 +411,9 @@ def export(
     # golden activations: run the pieces as fx modules on the capture inputs
     env = dict(zip(split.input_names, cg.flat_inputs, strict=True))
     with torch.no_grad():
-        run_pieces([p.module for p in split.pieces], [(p.input_names, p.output_names) for p in split.pieces], env)
+        run_pieces(
+            [p.module for p in split.pieces], [(p.input_names, p.output_names) for p in split.pieces], env
+        )
         a, k = pytree.tree_unflatten(list(cg.flat_inputs), cg.in_spec)  # capture may have tiled a batch of 1
         reference = model(*a, **k)
     ref_flat = [t.detach().contiguous() for t in pytree.tree_flatten(reference)[0]]
@@ -402,6 +421,7 @@ def export(
     final = Path(out)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    tmp.chmod(0o755)
     try:
         (tmp / "programs").mkdir()
         comp_specs = []
@@ -510,7 +530,9 @@ def _out_batch_dims(split: Any, value: str, comps: Sequence[L.ComponentSpec]) ->
     return (0,) if split.input_names and value in split.input_names else ()
 
 
-def _write_golden(path: Path, cg: ComputeGraph, split: Any, env: dict, ref_flat: list, comps: list) -> L.FileRef:
+def _write_golden(
+    path: Path, cg: ComputeGraph, split: Any, env: dict, ref_flat: list, comps: list
+) -> L.FileRef:
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -557,9 +579,13 @@ def run_export(cfg: dict, run_dir: Path) -> dict:
     model, args, kwargs = build_model(cfg.get("model", {}))
     part = dict(cfg.get("partition") or {})
     ver = dict(cfg.get("verify") or {})
-    dirname = (cfg.get("paths") or {}).get("switchboard_dirname") or cfg.get("switchboard_dirname") or "switchboard"
+    dirname = (
+        (cfg.get("paths") or {}).get("switchboard_dirname") or cfg.get("switchboard_dirname") or "switchboard"
+    )
     out = Path(run_dir) / dirname
-    options = {k: part[k] for k in ("min_branch_fraction", "max_branches", "cut_slack") if part.get(k) is not None}
+    options = {
+        k: part[k] for k in ("min_branch_fraction", "max_branches", "cut_slack") if part.get(k) is not None
+    }
     sb = export(
         model,
         args,

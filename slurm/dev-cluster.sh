@@ -40,6 +40,10 @@ pid_alive() {  # pid_alive FILE -> 0 when the PID in FILE runs
     [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
 }
 
+daemon_alive() {  # daemon_alive NAME FILE -> 0 when the PID in FILE runs and is NAME
+    pid_alive "$2" && [[ $(cat "/proc/$(cat "$2")/comm" 2>/dev/null) == "$1" ]]
+}
+
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
     local limit=$1 what=$2
     shift 2
@@ -168,7 +172,11 @@ start_munge() {
     install -d -o munge -g munge -m 0755 /run/munge
     runuser -u munge -- /usr/sbin/munged
     wait_for 20 munge sh -c 'munge -n | unmunge' || die "munged did not start (see /var/log/munge/munged.log)"
-    pgrep -u munge -x munged | head -1 >"$STATE/run/munged.pid.ours"
+    if [[ -s /run/munge/munged.pid ]]; then
+        cp /run/munge/munged.pid "$STATE/run/munged.pid.ours"
+    else
+        pgrep -u munge -x munged | tail -1 >"$STATE/run/munged.pid.ours" || true
+    fi
 }
 
 db_ping() { mariadb-admin --socket="$DB_SOCK" ping; }
@@ -209,17 +217,17 @@ start_mariadb() {
 }
 
 start_slurm() {
-    if ! pid_alive "$STATE/run/slurmdbd.pid"; then
+    if ! daemon_alive slurmdbd "$STATE/run/slurmdbd.pid"; then
         slurmdbd || die "slurmdbd did not start: see $STATE/log/slurmdbd.log"
         wait_for 30 slurmdbd sacctmgr -n -i show cluster \
             || die "slurmdbd does not answer: see $STATE/log/slurmdbd.log"
     fi
-    if ! pid_alive "$STATE/run/slurmctld.pid"; then
+    if ! daemon_alive slurmctld "$STATE/run/slurmctld.pid"; then
         # -c: clean state, so a node left INVALID/DRAINED by an earlier run comes back.
         slurmctld -c || die "slurmctld did not start: see $STATE/log/slurmctld.log"
         wait_for 30 slurmctld scontrol ping || die "slurmctld does not answer: see $STATE/log/slurmctld.log"
     fi
-    if ! pid_alive "$STATE/run/slurmd.pid"; then
+    if ! daemon_alive slurmd "$STATE/run/slurmd.pid"; then
         slurmd || die "slurmd did not start: see $STATE/log/slurmd.log"
     fi
     if ! wait_for 60 "node $HOST idle" node_usable; then
@@ -234,9 +242,9 @@ start_slurm() {
 node_state() { sinfo -h -n "$HOST" -o %T 2>/dev/null | head -1; }
 node_usable() { [[ $(node_state) =~ ^(idle|mixed|allocated|completing)$ ]]; }
 
-stop_pidfile() {  # stop_pidfile NAME FILE
+stop_pidfile() {  # stop_pidfile NAME FILE: stop the process only if it still is NAME (PIDs get reused)
     local name=$1 file=$2
-    if pid_alive "$file"; then
+    if pid_alive "$file" && [[ $(cat "/proc/$(cat "$file")/comm" 2>/dev/null) == "$name" ]]; then
         local pid
         pid=$(cat "$file")
         kill "$pid" 2>/dev/null || true
@@ -287,7 +295,7 @@ cmd_down() {
 cmd_status() {
     local ok=0
     for d in slurmdbd slurmctld slurmd; do
-        if pid_alive "$STATE/run/$d.pid"; then
+        if daemon_alive "$d" "$STATE/run/$d.pid"; then
             log "$d running (pid $(cat "$STATE/run/$d.pid"))"
         else
             log "$d NOT running"

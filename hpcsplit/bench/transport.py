@@ -31,8 +31,12 @@ def _iters_for(nbytes: int, base: int) -> int:
     return max(8, min(base, base * (4 << 20) // max(nbytes, 1)))
 
 
-def _pingpong(comm, rank: int, nbytes: int, iters: int, method: str) -> float:
-    """Seconds per one-way transfer (median of round trips / 2)."""
+def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]) -> dict[str, float]:
+    """Seconds per one-way transfer per method: median of round trips / 2.
+
+    The methods take turns round trip by round trip, so load from other processes on a shared
+    machine hits them alike.
+    """
     import numpy as np
     import torch
 
@@ -43,9 +47,9 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, method: str) -> float:
     t = torch.randn(n)
     raw_buf = np.empty(n, dtype=np.float32)
     peer = 1 - rank
-    times = []
+    times: dict[str, list[float]] = {m: [] for m in methods}
 
-    def send() -> None:
+    def send(method: str) -> None:
         if method == "raw":
             comm.Send([t.numpy(), MPI.FLOAT], dest=peer, tag=1)
         elif method == "pickle":
@@ -54,7 +58,7 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, method: str) -> float:
             h = tp.isend_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, t)])
             tp.wait_polling(h.test, spin_s=1.0)
 
-    def recv() -> None:
+    def recv(method: str) -> None:
         if method == "raw":
             comm.Recv([raw_buf, MPI.FLOAT], source=peer, tag=1)
         elif method == "pickle":
@@ -62,19 +66,21 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, method: str) -> float:
         else:
             tp.recv_message(comm, source=peer, spin_s=1.0)
 
-    for i in range(iters + 2):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            send()
-            recv()
-        else:
-            recv()
-            send()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] / 2
+    block = 5  # round trips per timed block; blocks of the methods alternate
+    for i in range(max(3, iters // block) + 1):
+        for method in methods:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                if rank == 0:
+                    send(method)
+                    recv(method)
+                else:
+                    recv(method)
+                    send(method)
+            if i >= 1:
+                times[method].append((time.perf_counter() - t0) / block)
+    return {m: sorted(v)[len(v) // 2] / 2 for m, v in times.items()}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -92,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     rows = []
     for nbytes in sizes:
         it = _iters_for(nbytes, args.iters)
-        res = {m: _pingpong(comm, rank, nbytes, it, m) for m in ("raw", "ours", "pickle")}
+        res = _pingpong(comm, rank, nbytes, it, ("raw", "ours", "pickle"))
         rows.append((nbytes, it, res))
     if rank == 0:
         aware, why = cuda_aware_mpi()

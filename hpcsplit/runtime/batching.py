@@ -19,10 +19,11 @@ __all__ = ["Batcher", "JoinBuffer", "ReadyRequest", "Row", "row_runs", "stack_ro
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """Row ``index`` of a received tensor (dim 0 is the request dim)."""
+    """Request ``index`` of a received tensor, whose requests lie along dim ``dim``."""
 
     tensor: Any
     index: int
+    dim: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +139,46 @@ def row_runs(rows: Sequence[Row]) -> list[tuple[Any, int, int]]:
 
 
 def stack_rows(rows: Sequence[Row]) -> Any:
-    """One tensor with the given rows in order (a view when they are one run, else ``torch.cat``)."""
+    """One tensor with the given rows in order, along their request dim (a view when they are one run)."""
     runs = row_runs(rows)
+    d = rows[0].dim
     if len(runs) == 1:
         t, a, b = runs[0]
-        return t if (a == 0 and b == t.shape[0]) else t[a:b]
+        return t if (a == 0 and b == t.shape[d]) else t.narrow(d, a, b - a)
     import torch
 
-    return torch.cat([t[a:b] for t, a, b in runs], dim=0)
+    return torch.cat([t.narrow(d, a, b - a) for t, a, b in runs], dim=d)
+
+
+def take_requests(t: Any, bdims: Sequence[int], pos: Sequence[int]) -> Any:
+    """The part of batch tensor ``t`` that belongs to the requests at positions ``pos``.
+
+    With one batch dim this selects along it.  With several (e.g. a ``[batch, batch]`` similarity),
+    request ``p`` owns the entry at ``p`` in every batch dim, exactly what the model returns for that
+    request alone at batch 1; the parts are stacked along the first batch dim, the others keep size 1.
+
+    Examples
+    --------
+    >>> import torch
+    >>> take_requests(torch.arange(9).view(3, 3), (0, 1), [0, 2]).tolist()
+    [[0], [8]]
+    >>> take_requests(torch.arange(6).view(2, 3), (1,), [1, 2]).tolist()
+    [[1, 2], [4, 5]]
+    """
+    import torch
+
+    d0 = bdims[0]
+    n = t.shape[d0]
+    if len(bdims) == 1:
+        if len(pos) == n and list(pos) == list(range(n)):
+            return t
+        if list(pos) == list(range(pos[0], pos[0] + len(pos))):
+            return t.narrow(d0, pos[0], len(pos))
+        return t.index_select(d0, torch.as_tensor(list(pos), dtype=torch.long, device=t.device))
+    parts = []
+    for p in pos:
+        x = t
+        for d in bdims:
+            x = x.narrow(d, p, 1)
+        parts.append(x)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d0)

@@ -49,12 +49,11 @@ def run_levels(ctx: Any, fe: Frontend, variant: str) -> dict[str, Any]:
     b = bench_settings(ctx.cfg)
     rt = ctx.rt
     timeout = float(b["request_timeout_s"] or rt["request_timeout_s"])
-    pool = [torch.as_tensor(x) for x in ctx.sb.example_inputs(int(b["input_pool"]))]
-    k = int(pool[0].shape[0])
+    from hpcsplit.runtime.session import _getter
 
-    def get(idx: np.ndarray) -> list[torch.Tensor]:
-        t = torch.as_tensor(idx % k)
-        return [x.index_select(0, t) for x in pool]
+    k = int(b["input_pool"])
+    pool = [torch.as_tensor(x) for x in ctx.sb.example_inputs(k)]
+    get = _getter(fe.df, pool, modulo=k)
 
     if b["warmup_s"] and b["warmup_s"] > 0:
         fe.run(arrival_times(b["qps"][0], float(b["warmup_s"]), "constant"), get, None, timeout,

@@ -22,6 +22,7 @@ import torch
 
 from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.routing import INPUT, Dataflow, Router
 from hpcsplit.runtime.trace import Tracer
 
@@ -98,10 +99,10 @@ class Frontend:
         arrivals_s
             Arrival offsets in seconds (non-decreasing).
         get_inputs
-            ``idx -> [tensor per model input]`` with ``len(idx)`` rows each (request dim first).
+            ``idx -> [tensor per model input]`` holding those requests along each input's batch dim.
         on_done
-            Called with ``(idx, [row tensor per model output])`` when a request finishes; None in
-            benchmarks (outputs dropped).
+            Called with ``(idx, [tensor per model output])`` when a request finishes (each the
+            request's part: size 1 in every batch dim); None in benchmarks (outputs dropped).
         request_timeout_s, max_inflight
             ``runtime.request_timeout_s`` and ``runtime.max_inflight``.
 
@@ -160,7 +161,7 @@ class Frontend:
                         continue  # timed out earlier, or another session's straggler
                     for meta, t in zip(h.tensors, m.tensors, strict=True):
                         if keep:
-                            rec[1][meta.slot] = t[row:row + 1]
+                            rec[1][meta.slot] = t.narrow(meta.rdim, row, 1)
                         rec[2] -= 1
                     if rec[2] <= 0:
                         del inflight[idx]
@@ -220,7 +221,7 @@ class Frontend:
                 rec = inflight[i]
                 if keep:
                     for j, src in self._passthrough:
-                        rec[1][j] = inputs[src][k:k + 1]
+                        rec[1][j] = take_requests(inputs[src], self.df.input_bdims[src], [k])
                 if rec[2] <= 0:
                     del inflight[i]
                     self.router.release(rec[0])
@@ -234,11 +235,8 @@ class Frontend:
             for k, route in enumerate(routes):
                 groups.setdefault(route[ci], []).append(k)
             for rank, pos in groups.items():
-                if len(pos) == len(adm):
-                    sel = [(slot, inputs[i]) for i, slot in pairs]
-                else:
-                    p = torch.as_tensor(pos, dtype=torch.long)
-                    sel = [(slot, inputs[i].index_select(0, p)) for i, slot in pairs]
+                bd = self.df.input_bdims
+                sel = [(slot, take_requests(inputs[i], bd[i], pos), bd[i][0]) for i, slot in pairs]
                 self.outbox.add(tp.isend_message(self.comm, rank, tp.KIND_DATA, [ids[k] for k in pos],
                                                  [routes[k] for k in pos], sel))
         self.tracer.span("admit_send", t_a, time.perf_counter(), ids)

@@ -18,8 +18,9 @@ has to compute at run time:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpcsplit.errors import PlanError
 from hpcsplit.runtime.plan import Plan, RankEntry
@@ -35,6 +36,7 @@ __all__ = [
     "critical_path_ms",
     "graph_from_switchboard",
     "whole_graph",
+    "whole_graph_of",
     "whole_plan",
 ]
 
@@ -49,12 +51,18 @@ class GraphSpec:
 
     ``edges`` are ``(src, src_name, dst, dst_name)`` with ``src`` a component or ``"input"`` and
     ``dst`` a component or ``"output"`` (the switchboard's ``edges``).  ``components`` is topological.
+    ``batch_dims`` maps value names (component ports, model inputs and outputs) to their batch dims;
+    a name not in it has batch dim 0.
     """
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     components: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]  # (name, inputs, outputs)
     edges: tuple[tuple[str, str, str, str], ...]
+    batch_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def bdims(self, name: str) -> tuple[int, ...]:
+        return tuple(self.batch_dims.get(name, (0,)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +76,9 @@ class ComponentFlow:
     sources: tuple[tuple[str, str], ...]  # per input slot: (component | "input", output name)
     sinks: tuple[tuple[tuple[str, int], ...], ...]  # per output: ((component | "output", slot), ...)
     replicas: tuple[int, ...]  # ranks, by replica index
-    batch_sizes: tuple[int, ...]  # per replica
+    batch_sizes: tuple[int, ...]  # per replica (1 where an input has several batch dims)
+    in_bdims: tuple[tuple[int, ...], ...] = ()  # batch dims per input slot
+    out_bdims: tuple[tuple[int, ...], ...] = ()  # batch dims per output
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +92,14 @@ class Dataflow:
     output_sources: tuple[tuple[str, str], ...]  # per model output: (component | "input", name)
     world_size: int
     rank_component: dict[int, str] = field(default_factory=dict)
+    input_bdims: tuple[tuple[int, ...], ...] = ()
+    output_bdims: tuple[tuple[int, ...], ...] = ()
+
+    def batch_size_of(self, rank: int) -> int:
+        c = self.component_of_rank(rank)
+        if c is None:
+            return 1
+        return c.batch_sizes[c.replicas.index(rank)]
 
     def component(self, name: str) -> ComponentFlow:
         for c in self.components:
@@ -142,7 +160,7 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
     ...               (("input", "x", "a", "x"), ("a", "h", "b", "h"), ("b", "y", "output", "y")))
     >>> df = build_dataflow(_toy_plan(["a", "b"]), g)
     >>> df.input_sinks, df.component("a").sinks, df.output_sources
-    ((('a', 0),), ((('b', 0),),), (('b', 'y'),))
+    (((('a', 0),),), ((('b', 0),),), (('b', 'y'),))
     """
     problems: list[str] = []
     names = [c[0] for c in graph.components]
@@ -199,6 +217,13 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
     for name in names:
         if name not in planned:
             problems.append(f"component {name!r} has no rank in the plan")
+    for n in (*graph.inputs, *graph.outputs, *(p for c in graph.components for p in (*c[1], *c[2]))):
+        if not graph.bdims(n):
+            problems.append(f"value {n!r} has no batch dim; the runtime sends each request's slice of "
+                            "every value, so every value needs one (re-export with a symbolic batch)")
+    for n in graph.inputs:
+        if len(graph.bdims(n)) > 1:
+            problems.append(f"model input {n!r} has several batch dims {graph.bdims(n)}; inputs need one")
     if problems:
         raise PlanError(
             "the plan and the switchboard do not fit together:\n  - " + "\n  - ".join(problems)
@@ -208,6 +233,9 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
     for idx, name in enumerate(names):
         ins, outs = comp_io[name]
         reps: Sequence[RankEntry] = plan.replicas(name)
+        # an input with several batch dims (e.g. a [batch, batch] similarity) cannot hold several
+        # requests side by side: such a component runs one request at a time
+        single = any(len(graph.bdims(n)) > 1 for n in ins)
         flows.append(ComponentFlow(
             name=name,
             index=idx,
@@ -216,7 +244,9 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
             sources=tuple(sources[(name, k)][0] for k in range(len(ins))),
             sinks=tuple(tuple(sinks.get((name, j), ())) for j in range(len(outs))),
             replicas=tuple(r.rank for r in reps),
-            batch_sizes=tuple(r.batch_size for r in reps),
+            batch_sizes=tuple(1 if single else r.batch_size for r in reps),
+            in_bdims=tuple(graph.bdims(n) for n in ins),
+            out_bdims=tuple(graph.bdims(n) for n in outs),
         ))
     return Dataflow(
         inputs=tuple(graph.inputs),
@@ -226,31 +256,37 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
         output_sources=tuple(out_src[i][0] for i in range(len(graph.outputs))),
         world_size=plan.world_size,
         rank_component={r.rank: r.component for r in plan.ranks if r.component is not None},
+        input_bdims=tuple(graph.bdims(n) for n in graph.inputs),
+        output_bdims=tuple(graph.bdims(n) if n in graph.batch_dims else graph.bdims(out_src[i][0][1])
+                           for i, n in enumerate(graph.outputs)),
     )
 
 
-def graph_from_switchboard(sb: object) -> GraphSpec:
+def graph_from_switchboard(sb: Any) -> GraphSpec:
     """The :class:`GraphSpec` of a loaded ``Switchboard`` (``[Note: switchboard layout]``)."""
-
-    def _names(ports: Iterable[object]) -> tuple[str, ...]:
-        return tuple(p if isinstance(p, str) else (p["name"] if isinstance(p, dict) else p.name) for p in ports)
-
-    comps = []
-    for name in sb.order:  # type: ignore[attr-defined]
-        spec = sb.components[name]  # type: ignore[attr-defined]
-        comps.append((name, _names(spec.inputs), _names(spec.outputs)))
-    edges = []
-    for e in sb.edges:  # type: ignore[attr-defined]
-        if isinstance(e, dict):
-            edges.append((e["src"], e["src_name"], e["dst"], e["dst_name"]))
-        else:
-            edges.append((e.src, e.src_name, e.dst, e.dst_name))
+    layout = sb.layout
+    bd: dict[str, tuple[int, ...]] = {}
+    for t in (*layout.inputs, *layout.outputs, *(p for c in layout.components for p in (*c.inputs, *c.outputs))):
+        bd[t.name] = tuple(t.batch_dims)
+    comps = tuple((c.name, tuple(t.name for t in c.inputs), tuple(t.name for t in c.outputs))
+                  for c in (sb.components[n] for n in sb.order))
     return GraphSpec(
-        inputs=_names(sb.input_names if hasattr(sb, "input_names") else sb.inputs),  # type: ignore[attr-defined]
-        outputs=_names(sb.output_names if hasattr(sb, "output_names") else sb.outputs),  # type: ignore[attr-defined]
-        components=tuple(comps),
-        edges=tuple(edges),
+        inputs=tuple(t.name for t in layout.inputs),
+        outputs=tuple(t.name for t in layout.outputs),
+        components=comps,
+        edges=tuple((e.src, e.src_name, e.dst, e.dst_name) for e in sb.edges),
+        batch_dims=bd,
     )
+
+
+def whole_graph_of(graph: GraphSpec) -> GraphSpec:
+    """:func:`whole_graph` with the model's batch dims kept."""
+    g = whole_graph(graph.inputs, graph.outputs)
+    bd = dict(graph.batch_dims)
+    for src, src_name, dst, dst_name in graph.edges:
+        if dst == OUTPUT and dst_name not in bd:
+            bd[dst_name] = graph.bdims(src_name)
+    return GraphSpec(g.inputs, g.outputs, g.components, g.edges, bd)
 
 
 def whole_graph(inputs: Sequence[str], outputs: Sequence[str]) -> GraphSpec:
@@ -302,8 +338,8 @@ class Router:
     >>> r = Router(df)
     >>> r.assign(), r.assign(), r.assign()
     ((1, 3), (2, 3), (1, 3))
-    >>> r.release((1, 3)); r.assign()
-    (1, 3)
+    >>> r.release((1, 3)); r.assign()  # 1 and 2 tie at one each: 2 was used less recently
+    (2, 3)
     """
 
     def __init__(self, dataflow: Dataflow) -> None:

@@ -84,9 +84,9 @@ def _check_component(ctx: Context, df: Dataflow, name: str, fn: Any, batch: int)
     problems = []
     if len(outs) != len(flow.outputs):
         problems.append(f"returned {len(outs)} outputs, the switchboard lists {len(flow.outputs)}")
-    for o, oname in zip(outs, flow.outputs, strict=False):
-        if not isinstance(o, torch.Tensor) or o.shape[:1] != (batch,):
-            problems.append(f"output {oname!r} is {getattr(o, 'shape', type(o))}, needs batch {batch} first")
+    for o, oname, bd in zip(outs, flow.outputs, flow.out_bdims, strict=False):
+        if not isinstance(o, torch.Tensor) or any(o.ndim <= d or o.shape[d] != batch for d in bd):
+            problems.append(f"output {oname!r} is {getattr(o, 'shape', type(o))}, needs {batch} in dims {bd}")
         elif o.is_floating_point() and not bool(torch.isfinite(o).all()):
             problems.append(f"output {oname!r} has non-finite values")
     if problems:
@@ -105,11 +105,12 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
         name = df.rank_component[rank]
         fn = _load_callable(ctx, vname, name)
         if rt.get("verify", True):
-            dt = _check_component(ctx, df, name, fn, entry.batch_size)
-            _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {entry.batch_size}, {dt * 1e3:.1f} ms)")
+            bs = df.batch_size_of(rank)
+            dt = _check_component(ctx, df, name, fn, bs)
+            _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {bs}, {dt * 1e3:.1f} ms)")
         fn = _with_fault(fn, rt.get("fault"), name)
         _barrier(comm)
-        st = serve_component(comm, df, name, fn, entry.batch_size, float(rt["max_wait_ms"]) / 1e3,
+        st = serve_component(comm, df, name, fn, df.batch_size_of(rank), float(rt["max_wait_ms"]) / 1e3,
                              float(rt["request_timeout_s"]), tracer, ctx.device, float(rt["abort_grace_s"]))
         st["variant"] = vname
         all_stats.append(st)
@@ -120,32 +121,31 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
 
 
 # --------------------------------------------------------------------------------------- frontend
-def _reference(ctx: Context, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, str]:
-    """Inputs and expected outputs for the end-to-end check: golden if the switchboard has them."""
+def _reference(ctx: Context) -> tuple[list[torch.Tensor], list[torch.Tensor], str]:
+    """Inputs and expected outputs for the end-to-end check: the switchboard's golden pair."""
     sb = ctx.sb
-    for attr in ("golden_inputs_outputs", "golden"):
-        g = getattr(sb, attr, None)
-        if callable(g):
-            try:
-                ins, outs = g()
-                return [torch.as_tensor(x) for x in ins], [torch.as_tensor(x) for x in outs], "golden"
-            except (TypeError, ValueError):
-                pass
-    ins = [torch.as_tensor(x) for x in sb.example_inputs(n)]
-    with torch.inference_mode():
-        from hpcsplit.runtime.worker import _as_tuple
+    ins = [torch.as_tensor(x) for x in sb.example_inputs()]
+    outs = [torch.as_tensor(x) for x in sb.golden_outputs()]
+    return ins, outs, f"golden outputs of the eager model, {len(outs)} output(s)"
 
-        outs = [o.detach().cpu() for o in _as_tuple(sb.load_whole()(*ins))]
-    return ins, outs, "whole model on the example inputs"
+
+def _getter(df: Dataflow, inputs: list[torch.Tensor], modulo: int | None = None) -> Any:
+    """``idx -> [tensor per model input]`` selecting requests along each input's batch dim."""
+    from hpcsplit.runtime.batching import take_requests
+
+    bd = df.input_bdims
+
+    def get(idx: np.ndarray) -> list[torch.Tensor]:
+        pos = (idx % modulo if modulo else idx).tolist()
+        return [take_requests(x, bd[i], pos) for i, x in enumerate(inputs)]
+
+    return get
 
 
 def _run_rows(fe: Frontend, inputs: list[torch.Tensor], rt: dict[str, Any],
               out: dict[int, list[torch.Tensor]] | None = None) -> Any:
-    n = int(inputs[0].shape[0])
-
-    def get(idx: np.ndarray) -> list[torch.Tensor]:
-        t = torch.as_tensor(idx)
-        return [x.index_select(0, t) for x in inputs]
+    n = int(inputs[0].shape[fe.df.input_bdims[0][0]])
+    get = _getter(fe.df, inputs)
 
     def done(i: int, rows: list[torch.Tensor]) -> None:
         if out is not None:
@@ -156,17 +156,21 @@ def _run_rows(fe: Frontend, inputs: list[torch.Tensor], rt: dict[str, Any],
 
 
 def _check_end_to_end(ctx: Context, fe: Frontend, vname: str) -> dict[str, Any]:
+    from hpcsplit.runtime.batching import take_requests
+
     rt = ctx.rt
-    n = int(rt.get("verify_samples", 2))
-    ins, ref, what = _reference(ctx, n)
+    ins, ref, what = _reference(ctx)
     got: dict[int, list[torch.Tensor]] = {}
     res = _run_rows(fe, ins, rt, got)
     if not res.ok.all():
         raise RuntimeStageError(f"{vname}: end-to-end check: {int((~res.ok).sum())} of {len(res.ok)} requests "
                                 "failed (timed out); see the log for the component that is stuck")
     worst = 0.0
-    for j, r in enumerate(ref or []):
-        y = torch.cat([got[i][j] for i in range(len(res.ok))], 0)
+    n = len(res.ok)
+    for j, r0 in enumerate(ref):
+        bd = fe.df.output_bdims[j]
+        r = take_requests(r0, bd, list(range(n)))
+        y = torch.cat([got[i][j] for i in range(n)], bd[0])
         if y.shape != r.shape or not torch.allclose(y.float(), r.float(), atol=float(rt["verify_atol"]),
                                                     rtol=float(rt["verify_rtol"])):
             diff = (y.float() - r.float()).abs().max().item() if y.shape == r.shape else float("inf")
@@ -186,9 +190,15 @@ def _collect_stats(ctx: Context) -> list[dict[str, Any]]:
 
     comm = ctx.comm
     out: list[dict[str, Any]] = []
+    strays = tp.Inbox(comm)  # late outputs of timed-out requests: receive and drop them
+
+    def _ready(st: Any) -> bool:
+        strays.poll()
+        return bool(comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_STATS, status=st))
+
     for _ in range(comm.Get_size() - 1):
         st = MPI.Status()
-        tp.wait_polling(lambda st=st: comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_STATS, status=st))
+        tp.wait_polling(lambda st=st: _ready(st))
         out.extend(comm.recv(source=st.Get_source(), tag=_TAG_STATS))
     return sorted(out, key=lambda s: (s.get("variant", ""), s["rank"]))
 
@@ -300,19 +310,20 @@ def _batch_mode(ctx: Context, fe: Frontend) -> dict[str, Any]:
     else:
         inputs = [torch.as_tensor(x) for x in ctx.sb.example_inputs(int(rt["num_samples"]))]
         src = f"switchboard example inputs x{rt['num_samples']}"
-    n = int(inputs[0].shape[0])
+    bdi = fe.df.input_bdims
+    inputs = [x.movedim(0, bdi[i][0]) if bdi[i][0] else x for i, x in enumerate(inputs)]
+    n = int(inputs[0].shape[bdi[0][0]])
     out_path = Path(rt.get("output_path") or ctx.run_dir / "outputs.h5")
     outs: list[np.ndarray | None] = [None] * len(fe.df.outputs)
-
-    def get(idx: np.ndarray) -> list[torch.Tensor]:
-        t = torch.as_tensor(idx)
-        return [x.index_select(0, t) for x in inputs]
+    get = _getter(fe.df, inputs)
+    bdo = fe.df.output_bdims
 
     def done(i: int, rows: list[torch.Tensor]) -> None:
         for j, r in enumerate(rows):
+            row = r.movedim(bdo[j][0], 0)[0].cpu().numpy()
             if outs[j] is None:
-                outs[j] = np.zeros((n, *r.shape[1:]), dtype=r.cpu().numpy().dtype)
-            outs[j][i] = r[0].cpu().numpy()  # type: ignore[index]
+                outs[j] = np.zeros((n, *row.shape), dtype=row.dtype)
+            outs[j][i] = row  # type: ignore[index]
 
     _say(0, f"batch mode: {n} requests from {src} -> {out_path}")
     try:

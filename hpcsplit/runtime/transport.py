@@ -10,12 +10,13 @@ The header is a flat ``int64`` array (no pickle)::
 
     [MAGIC, VERSION, kind, aux, n_req, n_route, n_tensors,
      request_ids[n_req], routes[n_req * n_route],
-     per tensor: slot, dtype_code, ndim, shape[ndim]]
+     per tensor: slot, rdim, dtype_code, ndim, shape[ndim]]
 
 ``request_ids`` number the rows of every tensor of the message (dim 0 is the request dim);
 ``routes[i]`` is the rank chosen for request ``i`` at every component (see :mod:`routing`), so that
 downstream ranks forward without asking the frontend.  ``slot`` is the destination's input index (or
-the model output index when the frontend receives).  Payloads travel as ``MPI.BYTE`` views of the
+the model output index when the frontend receives); ``rdim`` the tensor dim holding the requests (the
+first batch dim of that value; other batch dims, if any, have size 1).  Payloads travel as ``MPI.BYTE`` views of the
 tensors' memory; receivers allocate the tensor first and receive straight into it (no copy).
 
 GPU tensors: with a CUDA-aware MPI (:func:`cuda_aware_mpi`) the device buffer is handed to MPI after
@@ -121,11 +122,12 @@ def code_dtype(code: int) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
-    """Destination slot, dtype and shape of one tensor of a message."""
+    """Destination slot, request dim, dtype and shape of one tensor of a message."""
 
     slot: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    rdim: int = 0  # the dim along which the message's requests lie
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +153,7 @@ def encode_header(h: Header) -> np.ndarray:
 
     Examples
     --------
-    >>> h = Header(KIND_DATA, (7, 8), ((1, 2), (1, 3)), (TensorMeta(0, torch.float32, (2, 4)),))
+    >>> h = Header(KIND_DATA, (7, 8), ((1, 2), (1, 3)), (TensorMeta(0, torch.float32, (4, 2), 1),))
     >>> decode_header(encode_header(h)) == h
     True
     """
@@ -164,7 +166,7 @@ def encode_header(h: Header) -> np.ndarray:
     for r in h.routes:
         parts.extend(r)
     for t in h.tensors:
-        parts.extend((t.slot, dtype_code(t.dtype), len(t.shape)))
+        parts.extend((t.slot, t.rdim, dtype_code(t.dtype), len(t.shape)))
         parts.extend(t.shape)
     return np.asarray(parts, dtype=np.int64)
 
@@ -188,11 +190,11 @@ def decode_header(a: np.ndarray) -> Header:
         routes = ()
     tensors = []
     for _ in range(n_t):
-        slot, code, ndim = v[i], v[i + 1], v[i + 2]
+        slot, rdim, code, ndim = v[i], v[i + 1], v[i + 2], v[i + 3]
         if not 1 <= code <= len(_DTYPES):
             code_dtype(code)  # raises with the message
-        tensors.append(TensorMeta(slot, _DTYPES[code - 1], tuple(v[i + 3 : i + 3 + ndim])))
-        i += 3 + ndim
+        tensors.append(TensorMeta(slot, _DTYPES[code - 1], tuple(v[i + 4 : i + 4 + ndim]), rdim))
+        i += 4 + ndim
     return Header(kind, ids, routes, tuple(tensors), aux)
 
 
@@ -334,7 +336,7 @@ def isend_message(
     kind: int,
     request_ids: Sequence[int] = (),
     routes: Sequence[Sequence[int]] = (),
-    tensors: Sequence[tuple[int, torch.Tensor]] = (),
+    tensors: Sequence[tuple[int, torch.Tensor]] | Sequence[tuple[int, torch.Tensor, int]] = (),
     aux: int = 0,
 ) -> SendHandle:
     """Start sending one message: header, then one raw payload per ``(slot, tensor)``.
@@ -348,8 +350,8 @@ def isend_message(
         ``KIND_DATA``, ``KIND_STOP``, ``KIND_ERROR`` or ``KIND_CONTROL``.
     request_ids, routes
         One id (and one route) per row of every tensor.
-    tensors : sequence of (slot, tensor)
-        Tensors with the request dim first; made contiguous if needed.
+    tensors : sequence of (slot, tensor) or (slot, tensor, rdim)
+        Tensors with the requests along ``rdim`` (default 0); made contiguous if needed.
     aux : int
         A free integer (error length, phase number...).
 
@@ -358,13 +360,15 @@ def isend_message(
     SendHandle
         Test or wait on it before touching the tensors again.
     """
-    aware = cuda_aware_mpi()[0] if any(t.is_cuda for _, t in tensors) else False
+    aware = cuda_aware_mpi()[0] if any(x[1].is_cuda for x in tensors) else False
     metas = []
     reqs: list[Any] = []
     keep: list[Any] = []
     bufs = []
-    for slot, t in tensors:
-        metas.append(TensorMeta(int(slot), t.dtype, tuple(int(s) for s in t.shape)))
+    for x in tensors:
+        slot, t = x[0], x[1]
+        rdim = x[2] if len(x) > 2 else 0  # type: ignore[misc]
+        metas.append(TensorMeta(int(slot), t.dtype, tuple(int(s) for s in t.shape), int(rdim)))
         buf, k = _send_buffer(t, aware)
         bufs.append(buf)
         keep.extend(k)

@@ -33,7 +33,7 @@ from typing import Any
 from hpcsplit import _mpi
 from hpcsplit.errors import ConfigError, RuntimeStageError
 from hpcsplit.runtime.plan import Plan
-from hpcsplit.runtime.routing import OUTPUT, Dataflow, build_dataflow, whole_graph, whole_plan
+from hpcsplit.runtime.routing import OUTPUT, Dataflow, build_dataflow, whole_graph_of, whole_plan
 from hpcsplit.runtime.threads import configure_rank
 
 __all__ = ["RUNTIME_DEFAULTS", "mpi_main", "runtime_settings", "serve_component"]
@@ -53,7 +53,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "verify_atol": 1e-4,
     "verify_rtol": 1e-3,
     "abort_grace_s": 3.0,
-    "fault": None,  # tests: {component, kind: raise|sleep, after_requests, sleep_s}
+    "fault": None,  # tests: {component, kind: raise|sleep, after_batches, sleep_s, times}
 }
 
 
@@ -124,17 +124,20 @@ def _with_fault(fn: Callable[..., Any], fault: dict[str, Any] | None, name: str)
     """Wrap ``fn`` with the test-only fault of ``runtime.fault`` when it targets ``name``."""
     if not fault or fault.get("component") != name:
         return fn
-    after = int(fault.get("after_requests", 0))
+    after = int(fault.get("after_batches", 0))
     kind = fault.get("kind", "raise")
-    seen = [0]
+    times = int(fault.get("times", 1))  # sleep faults: how many batches sleep
+    seen = [0, 0]
 
     def faulty(*args: Any) -> Any:
-        seen[0] += int(args[0].shape[0]) if args else 1
+        seen[0] += 1
         if seen[0] > after:
             if kind == "sleep":
-                time.sleep(float(fault.get("sleep_s", 1.0)))
+                if seen[1] < times:
+                    seen[1] += 1
+                    time.sleep(float(fault.get("sleep_s", 1.0)))
             else:
-                raise RuntimeError(f"injected fault (runtime.fault) after {after} requests")
+                raise RuntimeError(f"injected fault (runtime.fault) after {after} batches")
         return fn(*args)
 
     return faulty
@@ -200,7 +203,7 @@ def serve_component(
                 now = time.perf_counter()
                 for row, (rid, route) in enumerate(zip(h.request_ids, h.routes, strict=True)):
                     for meta, t in zip(h.tensors, m.tensors, strict=True):
-                        ready = join.add(rid, route, meta.slot, Row(t, row), now)
+                        ready = join.add(rid, route, meta.slot, Row(t, row, meta.rdim), now)
                         if ready is not None:
                             batcher.push(ready, now)
                 tracer.span("recv", t_hdr, now, h.request_ids, src=m.source)
@@ -224,12 +227,15 @@ def serve_component(
                 stats["requests"] += len(ids)
                 stats["compute_s"] += t1 - t0
                 stats["max_batch"] = max(stats["max_batch"], len(ids))
-                _send_outputs(comm, outbox, groups, items, outs, tracer)
+                _send_outputs(comm, outbox, groups, items, outs, flow.out_bdims, tracer)
             outbox.reap()
             if now > next_expire:
                 next_expire = now + 1.0
                 stats["expired"] += len(join.expire(now, request_timeout_s))
-            if stopping and not len(batcher) and not inbox.pending and outbox.reap() == 0:
+            if stopping and not len(batcher) and not inbox.pending:
+                # late outputs of timed-out requests may never be received: do not wait forever
+                if not outbox.drain(timeout_s=10.0):
+                    _say(rank, f"{name}: {len(outbox.pending)} send(s) not received after STOP; leaving them")
                 break
             if worked:
                 backoff.reset()
@@ -241,10 +247,9 @@ def serve_component(
 
 
 def _send_outputs(comm: Any, outbox: Any, groups: Any, items: list[Any], outs: tuple[Any, ...],
-                  tracer: Any) -> None:
-    import torch
-
+                  out_bdims: tuple[tuple[int, ...], ...], tracer: Any) -> None:
     from hpcsplit.runtime import transport as tp
+    from hpcsplit.runtime.batching import take_requests
 
     t0 = time.perf_counter()
     ids = [it.request_id for it in items]
@@ -254,13 +259,7 @@ def _send_outputs(comm: Any, outbox: Any, groups: Any, items: list[Any], outs: t
         for k, route in enumerate(routes):
             by_rank.setdefault(0 if ci is None else route[ci], []).append(k)
         for dest, pos in by_rank.items():
-            if len(pos) == len(items):
-                sel = [(slot, outs[j]) for j, slot in pairs]
-            elif pos == list(range(pos[0], pos[-1] + 1)):
-                sel = [(slot, outs[j][pos[0]:pos[-1] + 1]) for j, slot in pairs]
-            else:
-                p = torch.as_tensor(pos, dtype=torch.long, device=outs[0].device)
-                sel = [(slot, outs[j].index_select(0, p)) for j, slot in pairs]
+            sel = [(slot, take_requests(outs[j], out_bdims[j], pos), out_bdims[j][0]) for j, slot in pairs]
             outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
                                         [routes[k] for k in pos], sel))
     tracer.span("send", t0, time.perf_counter(), ids)
@@ -328,7 +327,7 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
     graph = graph_from_switchboard(sb)
     variants: list[tuple[str, Dataflow]] = []
     if rt["mode"] == "bench":
-        variants.append(("whole", build_dataflow(whole_plan(plan), whole_graph(graph.inputs, graph.outputs))))
+        variants.append(("whole", build_dataflow(whole_plan(plan), whole_graph_of(graph))))
     variants.append(("split", build_dataflow(plan, graph)))
     if rank == 0:
         _say(rank, "plan:\n" + plan.format())

@@ -30,6 +30,7 @@ def _cli(tmp_path: Path, *overrides: str, timeout: float = 240) -> subprocess.Co
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
     return subprocess.run(
         [sys.executable, "-m", "hpcsplit", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        check=False,
         cwd=tmp_path,  # not the repo: conf/ must be found from anywhere
         env=env,
         capture_output=True,
@@ -68,7 +69,9 @@ def _local_cfg() -> dict:
 
 def test_rank_exception_is_reported_with_its_message(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
-        launch.run_mpi("hpcsplit.probe:_raise_for_tests", _local_cfg(), tmp_path, "probe", 2, echo=lambda s: None)
+        launch.run_mpi(
+            "hpcsplit.probe:_raise_for_tests", _local_cfg(), tmp_path, "probe", 2, echo=lambda s: None
+        )
     msg = str(err.value)
     assert "[rank 1] RuntimeError: deliberate failure on rank 1" in msg
     assert "exited with code" in msg and str(tmp_path / "probe.log") in msg
@@ -76,7 +79,9 @@ def test_rank_exception_is_reported_with_its_message(tmp_path: Path) -> None:
 
 def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
-        launch.run_mpi("hpcsplit.probe:_crash_for_tests", _local_cfg(), tmp_path, "probe", 3, echo=lambda s: None)
+        launch.run_mpi(
+            "hpcsplit.probe:_crash_for_tests", _local_cfg(), tmp_path, "probe", 3, echo=lambda s: None
+        )
     assert "exited with code" in str(err.value)
     assert not (tmp_path / "probe._crash_for_tests.result.json").exists()
 
@@ -86,3 +91,21 @@ def test_local_timeout_kills_the_ranks(tmp_path: Path) -> None:
     cfg["launcher"]["timeout_min"] = 0.05  # 3 s: the hanging barrier below never returns
     with pytest.raises(LaunchError, match="ran past launcher.timeout_min"):
         launch.run_mpi("hpcsplit.probe:_hang_for_tests", cfg, tmp_path, "probe", 2, echo=lambda s: None)
+
+
+def test_hydra_submitit_local_sweep_runs_main_per_point(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    res = _cli(
+        tmp_path,
+        "-m",
+        "hydra/launcher=local",
+        "stage=probe",
+        "launcher.ranks=1,2",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    worlds = [
+        {r["world_size"] for r in json.loads((sweep / str(i) / "probe.mpi_main.result.json").read_text())}
+        for i in (0, 1)
+    ]
+    assert worlds == [{1}, {2}]

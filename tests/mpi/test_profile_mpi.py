@@ -38,23 +38,44 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _run(n: int, run_dir: Path, cfg: dict, entry: str = "tests.unit.profile_toys:mpi_main", timeout: float = 180):
+def _run(
+    n: int, run_dir: Path, cfg: dict, entry: str = "tests.unit.profile_toys:mpi_main", timeout: float = 180
+):
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     return subprocess.run(
-        _cmd(n, entry, cfg_path, run_dir), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+        _cmd(n, entry, cfg_path, run_dir),
+        check=False,
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
-def test_two_ranks_merge_into_one_file_equal_in_cells_to_one_rank(tmp_path: Path) -> None:
-    one = _run(1, tmp_path / "n1", CFG)
+@pytest.fixture(scope="module")
+def toy_switchboard(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("hpcsplit.switchboard")
+    from tests.unit.profile_toys import export_switchboard
+
+    return export_switchboard("toy", tmp_path_factory.mktemp("sb") / "switchboard")
+
+
+def test_two_ranks_merge_into_one_file_equal_in_cells_to_one_rank(
+    tmp_path: Path, toy_switchboard: Path
+) -> None:
+    cfg = {**CFG, "switchboard": str(toy_switchboard)}
+    entry = "hpcsplit.profiling:mpi_main"
+    one = _run(1, tmp_path / "n1", cfg, entry)
     assert one.returncode == 0, one.stdout + one.stderr
-    two = _run(2, tmp_path / "n2", CFG)
+    two = _run(2, tmp_path / "n2", cfg, entry)
     assert two.returncode == 0, two.stdout + two.stderr
     p1, p2 = read_profile(tmp_path / "n1/profile.h5"), read_profile(tmp_path / "n2/profile.h5")
     assert p1.complete and p2.complete
-    assert p1.meta.component_order == p2.meta.component_order
+    assert p1.meta.component_order == p2.meta.component_order and len(p1.components) > 2
+    assert p1.meta.switchboard_sha256 == p2.meta.switchboard_sha256
     for name, c1 in p1.components.items():
         c2 = p2.components[name]
         assert c1.batch_sizes == c2.batch_sizes and c1.slices == c2.slices
@@ -62,11 +83,13 @@ def test_two_ranks_merge_into_one_file_equal_in_cells_to_one_rank(tmp_path: Path
         assert (c1.measured == c2.measured).all() and (c1.oom == c2.oom).all()
         assert np.isfinite(c2.latency_ms).all()
         assert (c1.input_bytes == c2.input_bytes).all() and (c1.output_bytes == c2.output_bytes).all()
+        assert c1.param_bytes == c2.param_bytes
     ranks = np.concatenate([c.measured_by_rank.ravel() for c in p2.components.values()])
     assert set(ranks.tolist()) == {0, 1}  # both ranks measured cells
     assert not list((tmp_path / "n2").glob("profile.h5.part*"))  # parts merged and removed
-    summary = json.loads((tmp_path / "n2/profile_toys.mpi_main.result.json").read_text())
-    assert summary["complete"] and summary["ranks"] == 2 and summary["cells_total"] == 12
+    summary = json.loads((tmp_path / "n2/profiling.mpi_main.result.json").read_text())
+    assert summary["complete"] and summary["ranks"] == 2
+    assert summary["cells_total"] == len(p1.components) * 3 * 2
 
 
 def test_two_ranks_sigterm_then_resume(tmp_path: Path) -> None:

@@ -24,7 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slurm,
-    pytest.mark.skipif(shutil.which("sbatch") is None, reason="no sbatch (start one: slurm/dev-cluster.sh up)"),
+    pytest.mark.skipif(
+        shutil.which("sbatch") is None, reason="no sbatch (start one: slurm/dev-cluster.sh up)"
+    ),
 ]
 
 
@@ -46,10 +48,22 @@ def _rows(run: Path) -> list[dict]:
 def test_probe_through_submitit_four_ranks_each_own_gpu(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
     res = subprocess.run(
-        [sys.executable, "-m", "hpcsplit", "stage=probe", "launcher=slurm", "cluster=dev",
-         f"hydra.run.dir={tmp_path / 'run'}"],  # fmt: skip
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpcsplit",
+            "stage=probe",
+            "launcher=slurm",
+            "cluster=dev",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = _rows(tmp_path / "run")
     assert [r["rank"] for r in rows] == [0, 1, 2, 3]
@@ -60,7 +74,8 @@ def test_probe_through_submitit_four_ranks_each_own_gpu(tmp_path: Path) -> None:
     assert all(r["cuda_visible_devices"] for r in rows)
     assert {r["omp_wait_policy"] for r in rows} == {"PASSIVE"}  # setup lines reached the ranks
     # the login side showed progress, the job id, the table and where the logs are
-    assert "submitted probe as SLURM job" in res.stdout and "RUNNING" in res.stdout or "COMPLETED" in res.stdout
+    assert "submitted probe as SLURM job" in res.stdout
+    assert "COMPLETED" in res.stdout and "elapsed" in res.stdout
     assert "4 rank(s) on 1 host(s)" in res.stdout
     assert "_log.{out,err}" in res.stdout
 
@@ -69,10 +84,21 @@ def test_probe_through_submitit_four_ranks_each_own_gpu(tmp_path: Path) -> None:
 def test_probe_sbatch_script(tmp_path: Path) -> None:
     run = tmp_path / "run"
     res = subprocess.run(
-        ["sbatch", "--wait", "--parsable", f"--output={tmp_path}/slurm-%j.out", str(REPO / "slurm/probe.sbatch"),
-         str(run)],  # fmt: skip
-        cwd=tmp_path, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            f"--output={tmp_path}/slurm-%j.out",
+            str(REPO / "slurm/probe.sbatch"),
+            str(run),
+        ],
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     out = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert res.returncode == 0, res.stdout + res.stderr + out
     rows = _rows(run)
@@ -117,3 +143,30 @@ def test_srun_without_pmi_fails_the_world_size_check(tmp_path: Path) -> None:
 def test_sbatch_refusal_is_a_launch_error(tmp_path: Path) -> None:
     msg, _, _ = _failing("hpcsplit.probe:mpi_main", tmp_path, ranks=1, partition="no_such_partition")
     assert "sbatch refused" in msg and "no_such_partition" in msg
+
+
+@pytest.mark.timeout(300)
+def test_hydra_submitit_slurm_launcher_runs_main_in_a_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcsplit",
+            "-m",
+            "hydra/launcher=slurm_dev",
+            "stage=probe",
+            "launcher.ranks=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads((sweep / "0" / "probe.mpi_main.result.json").read_text())
+    assert {r["world_size"] for r in rows} == {2}  # mpiexec inside the job, not srun's 1-task step
+    assert {r["cpus_per_task"] for r in rows} == {4}  # from conf/hydra/launcher/slurm_dev.yaml
+    assert {r["slurm_job_id"] for r in rows} != {None}

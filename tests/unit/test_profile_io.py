@@ -172,7 +172,7 @@ def _wait_for_cells(proc: subprocess.Popen[str], n: int, timeout_s: float = 120)
         if f"profile {n}/" in line:
             return lines
     proc.kill()
-    raise AssertionError("the toy profile never reached cell %d:\n%s" % (n, "".join(lines)))
+    raise AssertionError(f"the toy profile never reached cell {n}:\n" + "".join(lines))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGUSR2])

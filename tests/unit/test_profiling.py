@@ -28,7 +28,10 @@ def test_default_batch_sizes() -> None:
 
 def test_settings_from_config_defaults_come_from_the_cluster() -> None:
     s = ProfileSettings.from_config(
-        {"profile": {"max_batch": 4, "device": "cpu"}, "cluster": {"cpu_threads": [1, 2, 4], "cores_per_node": 8}}
+        {
+            "profile": {"max_batch": 4, "device": "cpu"},
+            "cluster": {"cpu_threads": [1, 2, 4], "cores_per_node": 8},
+        }
     )
     assert s.batch_sizes == (1, 2, 4) and s.slices == (1.0, 2.0, 4.0) and s.device_kind == "cpu"
     assert s.cores_per_node == 8 and s.warmup == 2 and s.iters == 10
@@ -137,13 +140,26 @@ def test_analyze_writes_tables_and_plots(tmp_path: Path) -> None:
     assert names == ["latency_vs_batch.png", "peak_mem_vs_batch.png", "throughput_vs_batch.png"]
     for p in res["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rows = list(csv.DictReader(Path(res["table_csv"]).open()))
+    with Path(res["table_csv"]).open() as fh:
+        rows = list(csv.DictReader(fh))
     assert len(rows) == 16 and {"latency_p50_ms", "latency_p99_ms", "throughput_rps"} <= set(rows[0])
-    head4 = next(r for r in rows if r["component"] == "head" and r["batch_size"] == "4" and r["slice_threads"] == "1")
+    head4 = next(
+        r for r in rows if r["component"] == "head" and r["batch_size"] == "4" and r["slice_threads"] == "1"
+    )
     assert head4["status"] == "oom" and head4["latency_p50_ms"] == ""
     ok = next(r for r in rows if r["component"] == "enc" and r["batch_size"] == "8")
     assert float(ok["throughput_rps"]) == pytest.approx(8 / (float(ok["latency_p50_ms"]) / 1e3), rel=1e-3)
     assert "| enc | 1 | 1 | ok |" in Path(res["table_md"]).read_text()
+
+
+def test_profile_job_is_checkpointable() -> None:
+    pytest.importorskip("submitit")
+    from hpcsplit.profiling import ProfileJob
+
+    job = ProfileJob("tests.unit.profile_toys:main")
+    delayed = job.checkpoint("hpcsplit.profiling:mpi_main", {"a": 1}, "/tmp/run")
+    assert delayed.function is job
+    assert delayed.args == ("hpcsplit.profiling:mpi_main", {"a": 1}, "/tmp/run")
 
 
 # ------------------------------------------------------------------------ real switchboards (toy, tiny CLIP)

@@ -1,0 +1,133 @@
+"""``python -m hpcsplit.bench allocate``: allocator solve time and objective vs cluster size.
+
+Synthetic profiles with realistic shapes (latency grows sub-linearly with batch, utilization
+0.1-0.6 rising with batch, memory = parameters + activations x batch, out-of-memory where it
+does not fit) on GPUs with 5 slice sizes, the utilization limit enforced per GPU.  Prints, per
+(GPUs, components, solver): solve time, the leximin minimum, the gap to the LP bound, patterns.
+
+Options: ``--gpus 4,16,64,256 --components 3,8,12 --solvers HIGHS,SCIPY,SCIP --time-limit 60``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from hpcsplit.cluster import GIB, ClusterSpec
+
+__all__ = ["main", "make_profile", "synthetic_cluster", "synthetic_profile"]
+
+
+def make_profile(components: dict[str, dict[str, Any]], *, batch_sizes: tuple[int, ...], slices: tuple[float, ...],
+                 device_kind: str = "cuda", model: str = "synthetic", cores_per_node: int = 64) -> Any:
+    """A :class:`~hpcsplit.profile_io.Profile` in memory from per-component 2-D arrays.
+
+    Each component dict has ``latency_ms`` ([n_batch, n_slice], NaN = out of memory),
+    ``peak_mem_bytes`` and ``utilization`` (same shape), optional ``param_bytes``.
+    """
+    from hpcsplit.profile_io import ComponentProfile, Profile, ProfileMeta
+
+    comps = {}
+    for name, d in components.items():
+        lat = np.asarray(d["latency_ms"], float)
+        oom = np.isnan(lat)
+        comps[name] = ComponentProfile(
+            name=name, batch_sizes=tuple(batch_sizes), slices=tuple(float(s) for s in slices),
+            latency_ms=np.repeat(lat[:, :, None], 3, axis=2),
+            peak_mem_bytes=np.where(oom, np.nan, np.asarray(d["peak_mem_bytes"], float)),
+            utilization=np.where(oom, np.nan, np.asarray(d["utilization"], float)),
+            oom=oom, measured=np.ones_like(oom, bool), param_bytes=int(d.get("param_bytes", 0)),
+            input_bytes_per_sample=4, output_bytes_per_sample=4,
+        )
+    gpu = device_kind == "cuda"
+    meta = ProfileMeta(
+        schema_version=1, hpcsplit_version="0", switchboard_sha256="0" * 64, model=model, host="synthetic",
+        device_kind=device_kind, device_name="synthetic", device_mem_bytes=int(80 * GIB) if gpu else 0,
+        driver_version="", torch_version="", cuda_version="", created_utc="", slice_unit="gb" if gpu else "threads",
+        slice_semantics="synthetic", latency_timer="synthetic", peak_mem_method="synthetic",
+        utilization_method="synthetic", cores_per_node=cores_per_node, warmup=0, iters=3, mig_device="",
+        mps_active_thread_percentage="", mps_pinned_device_mem_limit="", component_order=tuple(components),
+        complete=True,
+    )
+    return Profile(meta=meta, components=comps)
+
+
+def synthetic_profile(n_components: int, *, slices: tuple[float, ...] = (5, 10, 20, 40, 80),
+                      batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), seed: int = 0) -> Any:
+    """Realistic-looking GPU profile of ``n_components`` components (deterministic per seed)."""
+    rng = np.random.default_rng(seed)
+    comps = {}
+    b = np.array(batch_sizes, float)[:, None]
+    s = np.array(slices, float)[None, :]
+    for c in range(n_components):
+        l0 = rng.uniform(1.0, 12.0)  # ms at batch 1
+        alpha = rng.uniform(0.45, 0.85)  # latency ~ b^alpha
+        u0 = rng.uniform(0.1, 0.45)
+        params = rng.uniform(0.3, 6.0) * GIB
+        act = rng.uniform(0.02, 0.4) * GIB
+        lat = l0 * b**alpha * (1 + 0.3 / s) * np.ones_like(s)
+        util = np.minimum(0.6, u0 * (1 + 0.12 * np.log2(b))) * np.ones_like(s)
+        mem = (params + act * b) * np.ones_like(s)
+        lat = np.where(mem > s * GIB, np.nan, lat)
+        comps[f"c{c:02d}"] = {"latency_ms": lat, "peak_mem_bytes": mem, "utilization": util, "param_bytes": params}
+    return make_profile(comps, batch_sizes=batch_sizes, slices=slices, model=f"synthetic{n_components}")
+
+
+def synthetic_cluster(n_gpus: int, *, gpus_per_node: int = 4, gpu_mem_gb: float = 80,
+                      slices: tuple[float, ...] = (5, 10, 20, 40, 80), cores_per_node: int = 64) -> ClusterSpec:
+    return ClusterSpec.from_config({
+        "name": f"synthetic{n_gpus}", "nodes": max(1, math.ceil(n_gpus / gpus_per_node)),
+        "gpus_per_node": min(gpus_per_node, n_gpus), "gpu_mem_gb": gpu_mem_gb, "slices_gb": list(slices),
+        "cores_per_node": cores_per_node, "mem_gb_per_node": 512, "cpu_threads": [1, 2, 4],
+    })
+
+
+def main(argv: list[str]) -> int:
+    import cvxpy as cp
+
+    from hpcsplit.allocate import allocate
+
+    ap = argparse.ArgumentParser(prog="python -m hpcsplit.bench allocate", description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", default="4,16,64,256")
+    ap.add_argument("--components", default="3,8,12")
+    ap.add_argument("--solvers", default="HIGHS,SCIPY,SCIP")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--mip-rel-gap", type=float, default=None)
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    installed = set(cp.installed_solvers())
+    solvers = [s for s in a.solvers.split(",") if s in installed]
+    skipped = [s for s in a.solvers.split(",") if s not in installed]
+    print(f"allocate bench: 5 slice sizes (5..80 GB), util limit 1.0 per GPU, time limit {a.time_limit:g} s")
+    if skipped:
+        print(f"solvers not installed (skipped): {', '.join(skipped)}")
+    head = f"{'gpus':>5} {'comps':>5} {'solver':>6} {'mode':>9} {'time_s':>8} {'min_rps':>10} {'gap':>7} {'pats':>5} {'ranks':>6} note"
+    print(head)
+    print("-" * len(head))
+    extra = {} if a.mip_rel_gap is None else {"mip_rel_gap": a.mip_rel_gap}
+    for g in (int(x) for x in a.gpus.split(",")):
+        for c in (int(x) for x in a.components.split(",")):
+            prof = synthetic_profile(c, seed=a.seed + c)
+            cl = synthetic_cluster(g)
+            base: float | None = None
+            for s in solvers:
+                t = time.perf_counter()
+                try:
+                    al = allocate(prof, cl, solver=s, time_limit_s=a.time_limit, mode=a.mode, **extra)
+                except Exception as e:  # noqa: BLE001 - report and continue with the next case
+                    print(f"{g:>5} {c:>5} {s:>6} {'-':>9} {time.perf_counter() - t:>8.2f} failed: {e}")
+                    continue
+                dt = time.perf_counter() - t
+                base = base or al.min_normalised_throughput
+                ratio = al.min_normalised_throughput / base if base else float("nan")
+                note = "TIME LIMIT" if al.solve["time_limit_hit"] else ""
+                if len(solvers) > 1 and s != solvers[0]:
+                    note += f" min/{solvers[0]}={ratio:.4f}"
+                print(f"{g:>5} {c:>5} {s:>6} {al.solve['mode']:>9} {dt:>8.2f} {al.min_normalised_throughput:>10.1f} "
+                      f"{al.solve['gap']:>7.2%} {al.solve['n_patterns']:>5} {len(al.replicas) + 1:>6} {note}", flush=True)
+    return 0

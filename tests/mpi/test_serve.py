@@ -1,0 +1,185 @@
+"""The serve stage under real ``mpiexec`` (3-4 ranks, subprocesses with timeouts).
+
+Batch-mode outputs equal the whole model's (each request = the model at batch 1); a raising rank
+stops the job within seconds with rank, component and request in the message; a slow component
+triggers the timeout path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec") or (shutil.which("mpiexec", path=str(Path(sys.executable).parent)))
+if MPIEXEC is None:  # pragma: no cover
+    pytest.skip("no mpiexec on PATH", allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+
+
+def _export(out: Path, model_cfg: dict, **opts) -> Path:
+    from hpcsplit.models import build_model
+    from hpcsplit.switchboard import export
+
+    model, args, kwargs = build_model(model_cfg)
+    export(model, args, kwargs, out=out, name=model_cfg["name"], **opts)
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_sb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tmp_path_factory.mktemp("toy") / "sb", {"name": "toy_mlp"}, stages=2, max_branches=2)
+
+
+@pytest.fixture(scope="session")
+def clip_sb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    return _export(tmp_path_factory.mktemp("clip") / "sb", {"name": "clip_tiny"})
+
+
+def _plan(sb_dir: Path, path: Path, replicas: dict[str, int] | None = None, batch: int = 4) -> int:
+    from hpcsplit.runtime.plan import Plan, RankEntry
+    from hpcsplit.switchboard import Switchboard
+
+    sb = Switchboard.load(sb_dir)
+    ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
+    for c in sb.order:
+        for k in range((replicas or {}).get(c, 1)):
+            ranks.append(RankEntry(len(ranks), "component", 0, None, None, 1, c, batch, k))
+    Plan(sb.model_name, sb.sha256, "cpu", 1, tuple(ranks), dict.fromkeys(sb.order, 0.0), {}).save(path)
+    return len(ranks)
+
+
+def _inputs(sb_dir: Path, n: int, path: Path) -> list[np.ndarray]:
+    """``n`` distinct random requests shaped like the switchboard's inputs, saved to ``path``."""
+    from hpcsplit.switchboard import Switchboard
+
+    sb = Switchboard.load(sb_dir)
+    gen = torch.Generator().manual_seed(1)
+    arrays = {}
+    for spec, ex in zip(sb.layout.inputs, sb.example_inputs(n), strict=True):
+        if ex.is_floating_point():
+            arrays[spec.name] = torch.randn(ex.shape, generator=gen).numpy()
+        else:
+            hi = int(ex.max()) + 1
+            arrays[spec.name] = torch.randint(max(hi - 1, 1), hi, ex.shape, generator=gen).numpy()
+    if path.suffix == ".npz":
+        np.savez(path, **arrays)
+    else:
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            for k, v in arrays.items():
+                f.create_dataset(k, data=v)
+    return list(arrays.values())
+
+
+def _whole_per_request(sb_dir: Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The whole program run on each request alone (batch 1), first batch dim dropped, stacked."""
+    from hpcsplit.switchboard import Switchboard
+
+    sb = Switchboard.load(sb_dir)
+    whole = sb.load_whole()
+    rows: list[list[np.ndarray]] = []
+    with torch.no_grad():
+        for i in range(inputs[0].shape[0]):
+            outs = whole(*(torch.from_numpy(x[i:i + 1]) for x in inputs))
+            rows.append([o.movedim(spec.batch_dims[0], 0)[0].numpy()
+                         for o, spec in zip(outs, sb.layout.outputs, strict=True)])
+    return [np.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
+
+
+def _serve(tmp: Path, sb_dir: Path, n_ranks: int, runtime: dict, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    cfg = {"stage": "serve", "plan": str(tmp / "plan.json"), "switchboard": str(sb_dir), "runtime": runtime}
+    (tmp / "cfg.json").write_text(json.dumps(cfg))
+    cmd = [MPIEXEC, "-n", str(n_ranks), sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank",
+           "hpcsplit.runtime.worker:mpi_main", str(tmp / "cfg.json"), str(tmp / "run")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    if path.suffix == ".npz":
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return {k: f[k][()] for k in f}
+
+
+def test_toy_batch_mode_equals_whole_model(tmp_path: Path, toy_sb: Path) -> None:
+    n = _plan(toy_sb, tmp_path / "plan.json", replicas={"stage_1": 2}, batch=3)
+    assert n == 4
+    inputs = _inputs(toy_sb, 23, tmp_path / "in.npz")
+    p = _serve(tmp_path, toy_sb, n, {"input_path": str(tmp_path / "in.npz"),
+                                     "output_path": str(tmp_path / "out.npz"), "max_inflight": 5,
+                                     "trace": {"start_step": 0, "end_step": 8}})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = _read(tmp_path / "out.npz")
+    ref = _whole_per_request(toy_sb, inputs)
+    assert out["done"].all()
+    np.testing.assert_allclose(out["output"], ref[0], rtol=1e-4, atol=1e-5)
+    result = json.loads((tmp_path / "run" / "worker.mpi_main.result.json").read_text())
+    comp = [r for r in result["ranks"] if r["component"] == "stage_1"]
+    assert sorted(r["rank"] for r in comp) == [2, 3]
+    assert sum(r["requests"] for r in comp) >= 23  # both replicas share the work (+ the check requests)
+    assert all(r["requests"] > 0 for r in comp)
+    trace = json.loads((tmp_path / "run" / "trace" / "rank1.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"]} >= {"recv", "compute", "send"}
+
+
+def test_clip_tiny_batch_mode_equals_whole_model(tmp_path: Path, clip_sb: Path) -> None:
+    n = _plan(clip_sb, tmp_path / "plan.json", batch=4)
+    assert n == 4
+    inputs = _inputs(clip_sb, 11, tmp_path / "in.h5")
+    p = _serve(tmp_path, clip_sb, n, {"input_path": str(tmp_path / "in.h5"),
+                                      "output_path": str(tmp_path / "out.h5")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = _read(tmp_path / "out.h5")
+    ref = _whole_per_request(clip_sb, inputs)
+    assert out["done"].all()
+    np.testing.assert_allclose(out["output"], ref[0], rtol=1e-4, atol=1e-5)
+    assert "match the reference" in p.stderr
+
+
+def test_raising_rank_aborts_quickly_with_message(tmp_path: Path, toy_sb: Path) -> None:
+    n = _plan(toy_sb, tmp_path / "plan.json", batch=2)
+    _inputs(toy_sb, 40, tmp_path / "in.npz")
+    t0 = time.monotonic()
+    p = _serve(tmp_path, toy_sb, n, {"input_path": str(tmp_path / "in.npz"), "verify": False,
+                                     "output_path": str(tmp_path / "out.npz"), "max_inflight": 4,
+                                     "fault": {"component": "stage_1", "kind": "raise", "after_batches": 3}},
+               timeout_s=90)
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0
+    assert "component 'stage_1' failed on requests" in p.stderr
+    assert "injected fault" in p.stderr
+    assert "rank 2" in p.stderr
+    out = _read(tmp_path / "out.npz")  # what finished before the error was written
+    assert 0 < out["done"].sum() < 40
+    assert elapsed < 60
+
+
+def test_slow_component_times_out(tmp_path: Path, toy_sb: Path) -> None:
+    n = _plan(toy_sb, tmp_path / "plan.json", batch=1)
+    _inputs(toy_sb, 6, tmp_path / "in.npz")
+    p = _serve(tmp_path, toy_sb, n, {"input_path": str(tmp_path / "in.npz"), "verify": False,
+                                     "output_path": str(tmp_path / "out.npz"), "request_timeout_s": 1.0,
+                                     "fault": {"component": "stage_1", "kind": "sleep", "after_batches": 2,
+                                               "sleep_s": 3.0, "times": 1}},
+               timeout_s=90)
+    assert p.returncode != 0
+    assert "exceeded runtime.request_timeout_s" in p.stderr
+    out = _read(tmp_path / "out.npz")
+    assert out["done"][:2].all() and not out["done"].all()

@@ -1,0 +1,81 @@
+"""Export CLIP (tiny config; full ViT-B/32 in a slow test): image tower, text tower, join."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hpcsplit
+from hpcsplit.models import build_clip, example_inputs
+from hpcsplit.switchboard import Switchboard
+
+
+@pytest.fixture(scope="module")
+def tiny() -> torch.nn.Module:
+    return build_clip("tiny")
+
+
+@pytest.fixture(scope="module")
+def sb(tiny: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Switchboard:
+    out = tmp_path_factory.mktemp("clip") / "switchboard"
+    return hpcsplit.export(
+        tiny, example_inputs("clip_tiny", 2, model=tiny), out=out, cost="flops", timing_repeats=1
+    )
+
+
+def test_clip_splits_into_towers_and_join(sb: Switchboard) -> None:
+    assert list(sb.order) == ["vision_model", "text_model", "head"]
+    assert [t.name for t in sb.components["vision_model"].inputs] == ["pixel_values"]
+    assert [t.name for t in sb.components["text_model"].inputs] == ["input_ids", "attention_mask"]
+    srcs = {e.src for e in sb.edges if e.dst == "head"}
+    assert srcs == {"vision_model", "text_model"}
+    assert sb.components["vision_model"].param_bytes > sb.components["head"].param_bytes
+
+
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_clip_reproduces_the_model(sb: Switchboard, tiny: torch.nn.Module, batch_size: int) -> None:
+    xs = example_inputs("clip_tiny", batch_size, model=tiny, seed=7)
+    with torch.no_grad():
+        want = tiny(*xs)
+    got = sb(*xs)
+    assert got.shape == (batch_size, batch_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_clip_component_inputs_tile_every_batch_dim(sb: Switchboard) -> None:
+    ex = sb.component_example_inputs(5)
+    assert tuple(ex["vision_model"][0].shape) == (5, 3, 32, 32)
+    shapes = [tuple(t.shape) for t in ex["head"]]
+    assert all(5 in s for s in shapes)
+    (out,) = sb.load_component("head")(*ex["head"])
+    assert tuple(out.shape) == (5, 5)
+
+
+def test_clip_output_structure_is_restored(tmp_path: Path) -> None:
+    model = build_clip("tiny", both_logits=True)
+    xs = example_inputs("clip_tiny", 2, model=model)
+    sb = hpcsplit.export(model, xs, out=tmp_path / "sb", cost="flops", timing_repeats=1)
+    got = sb(*xs)
+    assert isinstance(got, tuple) and len(got) == 2
+    with torch.no_grad():
+        want = model(*xs)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    assert [t.name for t in sb.layout.outputs] == ["output_0", "output_1"]
+
+
+@pytest.mark.slow
+def test_full_vit_b32_clip_export_and_verify(tmp_path: Path) -> None:
+    model = build_clip("base")
+    xs = example_inputs("clip", 2, model=model)
+    t0 = time.perf_counter()
+    sb = hpcsplit.export(model, xs, out=tmp_path / "sb")
+    seconds = time.perf_counter() - t0
+    assert list(sb.order) == ["vision_model", "text_model", "head"]
+    assert sb.layout.verification["passed"]
+    print(f"ViT-B/32 CLIP export + verification: {seconds:.1f} s")

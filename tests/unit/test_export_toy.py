@@ -1,0 +1,136 @@
+"""Export the toy nested-diamond MLP and check the switchboard against the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpcsplit
+from hpcsplit._layout import sha256_file
+from hpcsplit.models import build_toy, example_inputs
+from hpcsplit.switchboard import Switchboard, run_export
+
+TOY_ORDER = ["stem", "left", "right", "left_tail", "mixer", "head"]
+
+
+@pytest.fixture(scope="module")
+def toy() -> torch.nn.Module:
+    return build_toy(d_in=16, hidden=32, d_out=4)
+
+
+@pytest.fixture(scope="module")
+def sb(toy: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Switchboard:
+    out = tmp_path_factory.mktemp("toy") / "switchboard"
+    return hpcsplit.export(
+        toy, example_inputs("toy_mlp", 2, model=toy), out=out, cost="flops", timing_repeats=1
+    )
+
+
+def test_toy_splits_into_the_diamond(sb: Switchboard) -> None:
+    assert list(sb.order) == TOY_ORDER
+    assert list(sb.components) == TOY_ORDER
+    assert [t.name for t in sb.components["mixer"].inputs] == ["relu_1", "relu_2"]  # reads B and C
+    pairs = {(e.src, e.dst) for e in sb.edges}
+    assert pairs == {
+        ("input", "stem"),
+        ("stem", "left"),
+        ("stem", "right"),
+        ("left", "left_tail"),
+        ("left", "mixer"),
+        ("right", "mixer"),
+        ("left_tail", "head"),
+        ("mixer", "head"),
+        ("head", "output"),
+    }
+    assert sb.components["left"].param_bytes == (32 * 32 + 32) * 4
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+def test_toy_reproduces_the_model_at_every_batch(
+    sb: Switchboard, toy: torch.nn.Module, batch_size: int
+) -> None:
+    (x,) = example_inputs("toy_mlp", batch_size, model=toy, seed=batch_size)
+    with torch.no_grad():
+        want = toy(x)
+    got = sb(x)
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    (whole,) = sb.load_whole()(x)
+    torch.testing.assert_close(whole, want, atol=1e-6, rtol=1e-5)
+
+
+def test_layout_records_specs_hashes_and_verification(sb: Switchboard) -> None:
+    d = json.loads((sb.path / "layout.json").read_text())
+    assert d["schema_version"] == 1
+    assert d["model"] == "ToyMLP"
+    assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16], "bytes_per_sample": 64}]
+    assert d["outputs"][0]["shape"] == ["batch", 4]
+    assert d["order"] == TOY_ORDER
+    for c in d["components"]:
+        assert sha256_file(sb.path / c["program"]) == c["sha256"]
+        assert all(t["shape"][0] == "batch" for t in c["inputs"] + c["outputs"])
+    assert sha256_file(sb.path / d["whole"]["file"]) == d["whole"]["sha256"]
+    assert sha256_file(sb.path / d["golden"]["file"]) == d["golden"]["sha256"]
+    assert d["verification"]["passed"] is True
+    assert d["verification"]["max_abs_diff"] <= 1e-5
+
+
+def test_example_inputs_follow_the_batch(sb: Switchboard) -> None:
+    ex = sb.component_example_inputs(7)
+    assert list(ex) == TOY_ORDER
+    assert [tuple(t.shape) for t in ex["mixer"]] == [(7, 32), (7, 32)]
+    assert tuple(sb.example_inputs(3)[0].shape) == (3, 16)
+    # each component runs on its example inputs and gives its declared outputs
+    for name, xs in sb.component_example_inputs(3).items():
+        outs = sb.load_component(name)(*xs)
+        assert [tuple(o.shape)[1:] for o in outs] == [tuple(t.shape[1:]) for t in sb.components[name].outputs]
+
+
+def test_verify_at_another_batch(sb: Switchboard) -> None:
+    rep = Switchboard.load(sb.path, check_all=True).verify(batch_size=3)
+    assert rep.passed and rep.reference == "whole" and rep.max_abs_diff <= 1e-5
+
+
+def test_stages_cut_the_components(toy: torch.nn.Module, tmp_path: Path) -> None:
+    x = example_inputs("toy_mlp", 2, model=toy)
+    sb = hpcsplit.export(toy, x, out=tmp_path / "sb", stages=2, cost="flops", timing_repeats=1)
+    assert len(sb.order) > len(TOY_ORDER)
+    assert any(c.kind == "stage" for c in sb.components.values())
+    with torch.no_grad():
+        torch.testing.assert_close(sb(*x), toy(*x))
+
+
+def test_run_export_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = {
+        "model": {"name": "toy_mlp", "batch_size": 2, "d_in": 8, "hidden": 16, "d_out": 3, "seed": 0},
+        "partition": {"cost": "flops", "timing_repeats": 1, "stages": None, "max_stage_ms": None},
+        "verify": {"atol": 1e-5, "rtol": 1e-4},
+        "paths": {"switchboard_dirname": "switchboard"},
+    }
+    summary = run_export(cfg, tmp_path)
+    assert summary["components"] == TOY_ORDER
+    assert Path(summary["switchboard"]) == tmp_path / "switchboard"
+    json.dumps(summary)  # JSON-able
+    printed = capsys.readouterr().out
+    assert "mixer" in printed and "relu_1, relu_2 -> " in printed and "verified" in printed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_components_run_on_cuda(sb: Switchboard, toy: torch.nn.Module) -> None:
+    dev = torch.device("cuda")
+    env = {t.name: x.to(dev) for t, x in zip(sb.layout.inputs, sb.example_inputs(4), strict=True)}
+    for name in sb.order:
+        spec = sb.components[name]
+        outs = sb.load_component(name, device=dev)(*[env[t.name] for t in spec.inputs])
+        assert all(o.device.type == "cuda" for o in outs)
+        env.update({t.name: o for t, o in zip(spec.outputs, outs, strict=True)})
+    (got,) = (env[v] for v in sb.layout.output_values)
+    with torch.no_grad():
+        want = toy(sb.example_inputs(4)[0])
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-3)
+    (whole,) = sb.load_whole(device=dev)(sb.example_inputs(4)[0].to(dev))
+    torch.testing.assert_close(whole.cpu(), want, atol=1e-4, rtol=1e-3)

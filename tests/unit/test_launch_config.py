@@ -1,0 +1,295 @@
+"""Launch layer without MPI or SLURM: argv shortcuts, config validation, mpiexec lines, waiting logic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcsplit import _slurm, launch
+from hpcsplit.config import conf_dir, rewrite_argv, validate
+from hpcsplit.errors import ConfigError, LaunchError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(rel: str) -> dict:
+    return yaml.safe_load((REPO / "conf" / rel).read_text())
+
+
+def _cfg(launcher: str = "local", cluster: str = "local", **top: object) -> dict:
+    return {
+        "stage": "probe",
+        "launcher": _load(f"launcher/{launcher}.yaml"),
+        "cluster": _load(f"cluster/{cluster}.yaml"),
+        **top,
+    }
+
+
+# ------------------------------------------------------------------------------------------- argv
+
+
+@pytest.fixture
+def conf(tmp_path: Path) -> Path:
+    (tmp_path / "conf/profile").mkdir(parents=True)
+    (tmp_path / "conf/profile/default.yaml").write_text("path: null\n")
+    (tmp_path / "conf/profile/fast.yaml").write_text("path: null\n")
+    return tmp_path / "conf"
+
+
+def test_profile_path_goes_to_profile_path(conf: Path) -> None:
+    out = rewrite_argv(["stage=analyze", "profile=runs/a/profile.h5"], conf=conf, cwd=Path("/work"))
+    assert out == ["stage=analyze", "profile.path=/work/runs/a/profile.h5"]
+
+
+def test_profile_option_names_are_kept(conf: Path) -> None:
+    assert rewrite_argv(["profile=fast", "profile=default"], conf=conf) == ["profile=fast", "profile=default"]
+
+
+def test_unknown_profile_name_without_path_is_left_to_hydra(conf: Path) -> None:
+    assert rewrite_argv(["profile=fastest"], conf=conf) == ["profile=fastest"]
+
+
+def test_existing_file_without_dot_or_slash_is_a_path(conf: Path, tmp_path: Path) -> None:
+    (tmp_path / "myprofile").write_text("")
+    assert rewrite_argv(["profile=myprofile"], conf=conf, cwd=tmp_path) == [
+        f"profile.path={tmp_path}/myprofile"
+    ]
+
+
+def test_plan_and_switchboard_become_absolute(conf: Path) -> None:
+    out = rewrite_argv(["plan=out/plan.json", "switchboard=/abs/sb", "plan=null"], conf=conf, cwd=Path("/w"))
+    assert out == ["plan=/w/out/plan.json", "switchboard=/abs/sb", "plan=null"]
+
+
+def test_paths_with_spaces_are_quoted_and_other_args_untouched(conf: Path) -> None:
+    out = rewrite_argv(
+        [
+            "plan=my runs/plan.json",
+            "+experiment=clip",
+            "profile.path=x.h5",
+            "cluster=dev",
+            "profile=a.h5,b.h5",
+        ],
+        conf=conf,
+        cwd=Path("/w"),
+    )
+    assert out == [
+        "plan='/w/my runs/plan.json'",
+        "+experiment=clip",
+        "profile.path=x.h5",
+        "cluster=dev",
+        "profile=a.h5,b.h5",
+    ]
+
+
+def test_conf_dir_is_the_repo_conf() -> None:
+    assert conf_dir() == REPO / "conf"
+    assert (conf_dir() / "launcher/local.yaml").is_file() and (conf_dir() / "launcher/slurm.yaml").is_file()
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def test_presets_are_valid() -> None:
+    validate(_cfg())
+    validate(_cfg("slurm", "dev"))
+    validate(_cfg("slurm", "perlmutter"))
+
+
+def test_all_problems_are_listed_at_once() -> None:
+    cfg = _cfg("slurm", "dev", stage="nope")
+    cfg["launcher"]["ranks"] = 0
+    cfg["cluster"]["slurm"].update(time_min=-5, srun_mpi="pmi3", partition="two words")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    msg = str(err.value)
+    assert msg.startswith("5 config problem(s):")
+    for part in (
+        "stage = 'nope'",
+        "launcher.ranks = 0",
+        "cluster.slurm.time_min = -5",
+        "srun_mpi = 'pmi3'",
+        "partition = 'two words'",
+    ):
+        assert part in msg
+
+
+def test_slurm_launcher_needs_a_slurm_cluster() -> None:
+    with pytest.raises(ConfigError, match="cluster='local' has none"):
+        validate(_cfg("slurm", "local"))
+
+
+def test_unknown_launcher() -> None:
+    cfg = _cfg()
+    cfg["launcher"]["name"] = "pbs"
+    with pytest.raises(ConfigError, match="launcher.name = 'pbs'"):
+        validate(cfg)
+
+
+# ------------------------------------------------------------------------------------------ local
+
+
+def test_openmpi_as_root_gets_its_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(launch, "mpiexec_flavour", lambda m: "openmpi")
+    monkeypatch.setattr(launch.os, "geteuid", lambda: 0)
+    cmd = launch.mpiexec_command("/x/mpiexec", 3, "hpcsplit.probe:mpi_main", tmp_path / "c.json", tmp_path)
+    assert cmd[:3] == ["/x/mpiexec", "--allow-run-as-root", "--oversubscribe"]
+    assert cmd[3:5] == ["-n", "3"]
+    assert cmd[5:10] == [sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank"]
+    assert cmd[-3:] == ["hpcsplit.probe:mpi_main", str(tmp_path / "c.json"), str(tmp_path)]
+
+
+def test_mpich_gets_no_openmpi_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(launch, "mpiexec_flavour", lambda m: "mpich")
+    cmd = launch.mpiexec_command("mpiexec", 2, "m:f", tmp_path / "c.json", tmp_path, ["--bind-to", "core"])
+    assert cmd[:5] == ["mpiexec", "--bind-to", "core", "-n", "2"]
+
+
+def test_missing_mpiexec_is_a_launch_error() -> None:
+    with pytest.raises(LaunchError, match="not found"):
+        launch.find_mpiexec("/nonexistent/mpiexec")
+
+
+def test_unavailable_stage_says_so(tmp_path: Path) -> None:
+    fn, why = launch._available("hpcsplit.no_such_module", "run_x")
+    assert fn is None and "does not exist yet" in why
+    with pytest.raises(LaunchError, match="stage=serve needs a plan"):
+        launch._mpi_ranks("serve", _cfg(), tmp_path)
+
+
+def test_mpi_rank_counts(tmp_path: Path) -> None:
+    assert launch._mpi_ranks("probe", _cfg(), tmp_path) == 1
+    cfg = _cfg(profile={"ranks": 3})
+    assert launch._mpi_ranks("profile", cfg, tmp_path) == 3
+    assert launch._mpi_ranks("probe", _cfg("slurm", "dev"), tmp_path) is None  # the cluster's geometry
+
+
+# ------------------------------------------------------------------------------------------ slurm
+
+
+def test_geometry_and_parameters() -> None:
+    cfg = _cfg("slurm", "perlmutter")
+    assert _slurm.geometry(cfg) == _slurm.JobGeometry(2, 4, 8)
+    assert _slurm.geometry(cfg, 5) == _slurm.JobGeometry(2, 3, 5)
+    params = _slurm.executor_parameters(cfg, "serve", 5)
+    assert params["additional_parameters"] == {"ntasks": 5}
+    assert params["srun_args"] == ["--mpi=pmi2", "--kill-on-bad-exit=1"]
+    dev = _slurm.executor_parameters(_cfg("slurm", "dev"), "probe")
+    assert dev["partition"] == "debug" and dev["gpus_per_node"] == 4 and "account" not in dev
+
+
+def _job(tmp_path: Path) -> _slurm.SubmittedJob:
+    return _slurm.SubmittedJob("42", tmp_path, tmp_path / "probe.mpi_main.result.json", "probe", 2, 5)
+
+
+def _states(*seq: _slurm.JobStatus):
+    it = iter(seq)
+    last = [seq[-1]]
+
+    def fn(job_id: str) -> _slurm.JobStatus:
+        last[0] = next(it, last[0])
+        return last[0]
+
+    return fn
+
+
+def test_wait_returns_rank0_result(tmp_path: Path) -> None:
+    (tmp_path / "probe.mpi_main.result.json").write_text('[{"rank": 0}]')
+    lines: list[str] = []
+    out = _slurm.wait_for_job(
+        _job(tmp_path),
+        poll_s=0.01,
+        echo=lines.append,
+        status_fn=_states(
+            _slurm.JobStatus("PENDING", source="squeue"),
+            _slurm.JobStatus("RUNNING", source="squeue"),
+            _slurm.JobStatus("COMPLETED", "0:0", source="sacct"),
+        ),
+    )
+    assert out == [{"rank": 0}]
+    assert [x.split()[4] for x in lines[:3]] == ["PENDING", "RUNNING", "COMPLETED"]
+    assert "logs in" in lines[-1]
+
+
+def test_failed_job_reports_rank_errors_from_logs(tmp_path: Path) -> None:
+    (tmp_path / "42_0_log.err").write_text("noise\nsrun: error: n1: task 1: Killed\n")
+    (tmp_path / "42_1_log.err").write_text("[rank 1] ValueError: bad input\nTraceback...\n")
+    with pytest.raises(LaunchError) as err:
+        _slurm.wait_for_job(
+            _job(tmp_path),
+            poll_s=0.01,
+            echo=lambda s: None,
+            status_fn=_states(_slurm.JobStatus("FAILED", "1:0", source="sacct")),
+        )
+    msg = str(err.value)
+    assert "ended FAILED (exit code 1:0)" in msg
+    assert "[rank 1] ValueError: bad input" in msg and "task 1: Killed" in msg
+
+
+def test_completed_without_result_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_slurm, "_RESULT_GRACE_S", 0.1)
+    with pytest.raises(LaunchError, match="ended COMPLETED"):
+        _slurm.wait_for_job(
+            _job(tmp_path),
+            poll_s=0.01,
+            echo=lambda s: None,
+            status_fn=_states(_slurm.JobStatus("COMPLETED", "0:0", source="sacct")),
+        )
+
+
+def test_job_no_scheduler_knows_is_reported_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # sacct broken, squeue empty: submitit's result() would wait forever here
+    monkeypatch.setattr(_slurm, "_VANISHED_S", 0.05)
+    with pytest.raises(LaunchError, match="LOST"):
+        _slurm.wait_for_job(
+            _job(tmp_path), poll_s=0.01, echo=lambda s: None, status_fn=_states(_slurm.JobStatus("UNKNOWN"))
+        )
+
+
+def test_wait_timeout_cancels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cancelled: list[str] = []
+    monkeypatch.setattr(_slurm, "_scancel", cancelled.append)
+    with pytest.raises(LaunchError, match="gave up waiting"):
+        _slurm.wait_for_job(
+            _job(tmp_path),
+            timeout_s=0.05,
+            poll_s=0.01,
+            echo=lambda s: None,
+            status_fn=_states(_slurm.JobStatus("PENDING", source="squeue")),
+        )
+    assert cancelled == ["42"]
+
+
+def test_submit_without_sbatch_is_a_launch_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_slurm.shutil, "which", lambda name: None)
+    with pytest.raises(LaunchError, match="no `sbatch` on PATH"):
+        _slurm.submit("hpcsplit.probe:mpi_main", _cfg("slurm", "dev"), tmp_path, "probe")
+
+
+# -------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_reports_config_problems_and_exits_1(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcsplit",
+            "stage=nope",
+            "launcher=slurm",
+            "cluster=local",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "ConfigError: 2 config problem(s)" in res.stderr
+    assert "stage = 'nope'" in res.stderr and "cluster='local' has none" in res.stderr

@@ -1,0 +1,51 @@
+"""Arrival schedules, level summaries and the improvement table (pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcsplit.runtime.loadgen import arrival_times, format_table, improvement_rows, summarize
+
+
+def test_constant_arrivals() -> None:
+    a = arrival_times(10, 2.0, "constant")
+    assert len(a) == 20 and a[1] == pytest.approx(0.1) and a[-1] < 2.0
+
+
+def test_poisson_arrivals_rate_and_reproducible() -> None:
+    a = arrival_times(200, 50.0, "poisson", seed=3)
+    assert abs(len(a) / 50.0 - 200) < 10
+    assert np.all(np.diff(a) >= 0) and a[0] == 0.0 and a[-1] < 50.0
+    np.testing.assert_array_equal(a, arrival_times(200, 50.0, "poisson", seed=3))
+    gaps = np.diff(a)
+    assert 0.8 < gaps.std() / gaps.mean() < 1.2  # exponential gaps: coefficient of variation 1
+
+
+def test_bad_arrival_kind() -> None:
+    with pytest.raises(ValueError, match="poisson"):
+        arrival_times(1, 1, "bursty")
+
+
+def test_summary_counts_failures_and_percentiles() -> None:
+    arr = np.arange(10) * 0.1
+    done = arr + 0.02
+    done[3] = np.nan
+    ok = ~np.isnan(done)
+    s = summarize("split", 10, arr, done, ok)
+    assert s.n_requests == 10 and s.n_ok == 9 and s.success_rate == pytest.approx(0.9)
+    assert s.p50_ms == pytest.approx(20.0) and s.p99_ms == pytest.approx(20.0)
+    assert s.achieved_qps == pytest.approx(9 / 0.92)
+    none = summarize("split", 10, arr, np.full(10, np.nan), np.zeros(10, bool))
+    assert none.n_ok == 0 and np.isnan(none.p50_ms)
+
+
+def test_improvement_rows_and_table() -> None:
+    arr = np.arange(4) * 0.5
+    w = summarize("whole", 2, arr, arr + 0.100, np.ones(4, bool))
+    s = summarize("split", 2, arr, arr + 0.050, np.ones(4, bool))
+    rows = improvement_rows([w], [s])
+    assert rows[0]["latency_improvement_pct"] == pytest.approx(50.0)
+    assert rows[0]["throughput_improvement_pct"] == pytest.approx((1.6 / 1.55 - 1) * 100)
+    text = format_table(rows)
+    assert "Latency Improvement (%)" in text and "50.00" in text

@@ -1,0 +1,102 @@
+"""Transport header encoding and host buffer handling (no MPI needed)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hpcsplit.errors import RuntimeStageError  # noqa: E402
+from hpcsplit.runtime import transport as tp  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
+                                   torch.uint8, torch.complex64])
+def test_header_roundtrip_every_dtype(dtype: torch.dtype) -> None:
+    h = tp.Header(tp.KIND_DATA, (5, 9, 11), ((1, 4), (2, 4), (1, 5)),
+                  (tp.TensorMeta(1, dtype, (3, 7), 0), tp.TensorMeta(0, torch.float32, (2, 3, 1), 2)), aux=42)
+    a = tp.encode_header(h)
+    assert a.dtype == np.int64
+    assert tp.decode_header(a) == h
+
+
+def test_header_without_routes_or_tensors() -> None:
+    h = tp.Header(tp.KIND_STOP)
+    assert tp.decode_header(tp.encode_header(h)) == h
+    assert len(tp.encode_header(h)) == 7
+
+
+def test_header_rejects_foreign_words() -> None:
+    with pytest.raises(RuntimeStageError, match="not hpcsplit transport"):
+        tp.decode_header(np.arange(10, dtype=np.int64))
+
+
+def test_header_rejects_ragged_routes() -> None:
+    with pytest.raises(RuntimeStageError, match="one route per request"):
+        tp.encode_header(tp.Header(tp.KIND_DATA, (1, 2), ((1, 2),)))
+
+
+def test_unknown_dtype_code_is_reported() -> None:
+    a = tp.encode_header(tp.Header(tp.KIND_DATA, (1,), (), (tp.TensorMeta(0, torch.float32, (1,)),)))
+    a[10] = 99  # the dtype code of the first tensor (after 7 fixed words, 1 id, slot, rdim)
+    with pytest.raises(RuntimeStageError, match="unknown dtype code 99"):
+        tp.decode_header(a)
+
+
+def test_dtype_outside_the_table_is_refused() -> None:
+    with pytest.raises(RuntimeStageError, match="cannot send dtype"):
+        tp.dtype_code(torch.float8_e4m3fn)
+
+
+def test_send_buffer_is_a_view_not_a_copy() -> None:
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    buf, keep = tp._send_buffer(t, cuda_aware=False)
+    arr = buf[0]
+    assert arr.ctypes.data == t.data_ptr()
+    b16 = t.to(torch.bfloat16)
+    buf, keep = tp._send_buffer(b16, cuda_aware=False)
+    assert buf[0].nbytes == b16.numel() * 2
+
+
+def test_alloc_receives_into_pooled_tensor_and_reuses_it() -> None:
+    meta = tp.TensorMeta(0, torch.float32, (256, 256))
+    pool = tp._POOL
+    t, view = tp._alloc(meta, None, False)
+    assert t.shape == (256, 256) and t.dtype == torch.float32
+    ptr = t.data_ptr()
+    del t, view
+    t2, _ = tp._alloc(meta, None, False)
+    assert t2.data_ptr() == ptr  # the buffer came back to the pool
+    t3, _ = tp._alloc(meta, None, False)
+    assert t3.data_ptr() != t2.data_ptr()  # t2 is still alive: never handed out twice
+    assert pool.size_class(1 << 20) == 1 << 20
+
+
+def test_pool_buffer_stays_busy_while_a_view_lives() -> None:
+    meta = tp.TensorMeta(0, torch.float32, (128, 512))
+    t, _ = tp._alloc(meta, None, False)
+    row = t[3:4]
+    ptr = t.data_ptr()
+    del t
+    t2, _ = tp._alloc(meta, None, False)
+    assert t2.data_ptr() != ptr
+    assert sys.getrefcount(row) >= 2
+
+
+def test_backoff_sleeps_only_after_spinning() -> None:
+    b = tp.Backoff(spin_s=1.0, max_sleep_s=1e-3)
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(100):
+        b.idle(time.perf_counter())
+    assert time.perf_counter() - t0 < 0.5  # still spinning: no sleeps
+    b2 = tp.Backoff(spin_s=0.0, max_sleep_s=1e-3)
+    for _ in range(10):
+        b2.idle(time.perf_counter())
+    assert b2._sleep == pytest.approx(1e-3)
+    b2.reset()
+    assert b2._sleep == pytest.approx(20e-6)

@@ -52,7 +52,7 @@ __all__ = [
 
 _EPS = 1e-9
 _GRID = 1000  # steps of the second knapsack resource in DP pricing
-_GRID_FINE = 10000  # for the optimistic DP that bounds the LP once column generation converged
+_GRID_FINE = 4000  # for the optimistic DP that bounds the LP once column generation converged
 Pattern = tuple[tuple[int, int], ...]  # ((item index in kind.items, count), ...), sorted
 
 
@@ -476,8 +476,10 @@ def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float) -> dict:
 
 
 def _solve_milp(base: _Base, k: int, fixed: Sequence[float], solver: str, time_limit_s: float,
-                mip_rel_gap: float) -> tuple[np.ndarray | None, str]:
-    """Stage k's MILP with cvxpy; returns (z or None, status)."""
+                mip_rel_gap: float, extra: dict | None = None) -> tuple[np.ndarray | None, str, float]:
+    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf).
+
+    """
     import cvxpy as cp
 
     c, A, b, lb, ub, _ = _stage(base, k, fixed, slack=None)
@@ -497,16 +499,44 @@ def _solve_milp(base: _Base, k: int, fixed: Sequence[float], solver: str, time_l
         cons.append(zp[sel] <= ub[perm][sel])
     prob = cp.Problem(cp.Minimize(c[perm] @ zp), cons)
     try:
-        prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap))
+        prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap), **(extra or {}))
     except cp.error.SolverError as e:
-        return None, f"solver error: {e}"
+        return None, f"solver error: {e}", math.inf
+    upper = _dual_bound(prob)
     if zp.value is None:
-        return None, str(prob.status)
+        return None, str(prob.status), upper
     z = np.empty(len(c))
     z[perm] = np.asarray(zp.value).ravel()
     z = z[:n0]
     z[base.integer] = np.round(z[base.integer])
-    return z, str(prob.status)
+    # a solver stopped by its time limit may hand back a point that is not a solution
+    if not _feasible(base, z, k, fixed):
+        return None, f"{prob.status} (no feasible integer point)", upper
+    return z, str(prob.status), upper
+
+
+def _dual_bound(prob) -> float:
+    """The solver's bound on the stage objective (a maximisation), inf when unknown."""
+    st = prob.solver_stats.extra_stats if prob.solver_stats is not None else None
+    v = None
+    if st is not None:
+        v = st.get("mip_dual_bound") if isinstance(st, dict) else getattr(st, "mip_dual_bound", None)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return math.inf
+    return -v if math.isfinite(v) else math.inf
+
+
+def _feasible(base: _Base, z: np.ndarray, k: int, fixed: Sequence[float]) -> bool:
+    if np.any(z < base.lb - 1e-6) or np.any(z > base.ub + 1e-6):
+        return False
+    if np.any(base.A @ z > base.b + 1e-6 * np.maximum(1.0, np.abs(base.b))):
+        return False
+    if np.any(base.R @ z < 1 - 1e-6):
+        return False
+    y = base.Y @ z
+    return all(_sum_smallest(y, j + 1) >= f - 1e-6 * max(1.0, abs(f)) for j, f in enumerate(fixed[: k - 1]))
 
 
 def _leximin(
@@ -519,6 +549,7 @@ def _leximin(
     tol: float,
     before_stage: Callable[[int, list[float]], float] | None = None,
     n_patterns: Callable[[], int] = lambda: 0,
+    stage_time_limit_s: float = math.inf,
 ) -> tuple[np.ndarray, list[StageInfo], bool]:
     """Run the leximin stages; ``before_stage(k, fixed)`` may grow the pool and returns an LP bound."""
     na = len(instance.active)
@@ -528,32 +559,29 @@ def _leximin(
     z_best: np.ndarray | None = None
     hit = False
     for k in range(1, na + 1):
+        if k > 1 and time.perf_counter() - t0 > time_limit_s:
+            hit = True
+            break
         bound = before_stage(k, fixed) if before_stage else math.inf
         base = base_fn()
         left = time_limit_s - (time.perf_counter() - t0)
-        # leave later stages a share of the time; the first stages matter most
-        budget = max(0.2, left / max(1, (na - k + 2) / 2)) if k > 1 else max(0.2, left * 0.6)
+        # share what is left over the remaining stages, the earlier ones getting more
+        budget = max(0.1, min(stage_time_limit_s, left * 2 / (na - k + 2)))
+        if z_best is not None:
+            z_best = _pad(z_best, base)
         ts = time.perf_counter()
-        z, status = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap)
+        z, status, upper = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap)
+        bound = min(bound, upper)
         if z is None:
             if z_best is None:
                 raise _Infeasible(status)
-            # keep the previous stage's solution: it satisfies every fixed stage
-            stages.append(StageInfo(k, _sum_smallest(base.Y @ _pad(z_best, base), k), bound, status,
-                                    time.perf_counter() - ts, n_patterns()))
+            z = z_best  # the previous stage's solution satisfies every fixed stage
+        if status != "optimal":
             hit = True
-            z_best = _pad(z_best, base)
-            break
         z_best = z
-        y = base.Y @ z
-        val = _sum_smallest(y, k)
-        if "user_limit" in status or "inaccurate" in status:
-            hit = True
+        val = _sum_smallest(base.Y @ z, k)
         stages.append(StageInfo(k, val, bound, status, time.perf_counter() - ts, n_patterns()))
         fixed.append(val - tol * max(1.0, abs(val)))
-        if time.perf_counter() - t0 > time_limit_s:
-            hit = True
-            break
     assert z_best is not None
     return z_best, stages, hit
 
@@ -624,6 +652,7 @@ def solve_patterns(
     enumerate_limit: int = 3000,
     max_patterns: int = 5000,
     max_cg_iters: int = 200,
+    stage_time_limit_s: float = math.inf,
 ) -> Solution:
     """Leximin over packing patterns (enumerated, or generated by column generation).
 
@@ -657,6 +686,7 @@ def solve_patterns(
     z, stages, hit = _leximin(
         instance, lambda: _pattern_base(instance, cols), solver=solver, time_limit_s=time_limit_s,
         mip_rel_gap=mip_rel_gap, tol=tol, before_stage=grow, n_patterns=lambda: len(cols),
+        stage_time_limit_s=stage_time_limit_s,
     )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     for j, (kk, pat) in enumerate(cols):
@@ -698,7 +728,7 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
     scale = max((it.throughput_rps for kd in instance.kinds for it in kd.items), default=1.0)
     slack = 1e3 * scale * max(1, na)
     bound = math.inf
-    exact_tries = 2
+    exact_tries = 1
     for _ in range(max_iters):
         base = _pattern_base(instance, cols)
         res, rows = _lp(base, k, fixed, slack)
@@ -744,7 +774,7 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
                 ub = opt[0] if opt is not None else math.inf
                 if kind.count * (ub - mu[kk]) > 1e-3 * max(1.0, abs(lp_val)) and exact_tries > 0:
                     exact_tries -= 1
-                    ex_val, ex_pat, ex_ub = price_pattern(kind, vals_of[kk], time_limit_s=0.3, with_bound=True)
+                    ex_val, ex_pat, ex_ub = price_pattern(kind, vals_of[kk], time_limit_s=0.2, with_bound=True)
                     if ex_val - mu[kk] > eps and ex_pat and (kk, ex_pat) not in seen:
                         cols.append((kk, ex_pat))
                         seen.add((kk, ex_pat))

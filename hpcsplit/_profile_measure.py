@@ -43,7 +43,7 @@ __all__ = [
     "Measurement",
     "StopOnSignal",
     "apply_slice",
-    "chain_signal",
+    "call_previous_handler",
     "cores_here",
     "device_meta",
     "load_on_device",
@@ -444,7 +444,7 @@ class StopOnSignal:
             signal.signal(sig, prev)
 
 
-def chain_signal(signum: int) -> None:
+def call_previous_handler(signum: int) -> None:
     """Call the handler that was installed before ours (e.g. submitit's checkpoint-and-requeue)."""
     prev = signal.getsignal(signum)
     if callable(prev):

@@ -98,6 +98,7 @@ class JobStatus:
     exit_code: str | None = None
     elapsed: str | None = None
     source: str = "none"
+    reason: str | None = None
 
     @property
     def active(self) -> bool:
@@ -115,8 +116,16 @@ def _slurm_cfg(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return slurm
 
 
-def geometry(cfg: Mapping[str, Any], ranks: int | None = None) -> JobGeometry:
+def geometry(
+    cfg: Mapping[str, Any],
+    ranks: int | None = None,
+    nodes: int | None = None,
+    tasks_per_node: int | None = None,
+) -> JobGeometry:
     """The job shape for ``ranks`` MPI ranks (None: the cluster's nodes x tasks_per_node).
+
+    ``nodes`` / ``tasks_per_node`` come from a plan (its node count, the most ranks on one node);
+    SLURM's block distribution then puts consecutive ranks on the same node, as plans number them.
 
     Examples
     --------
@@ -126,18 +135,25 @@ def geometry(cfg: Mapping[str, Any], ranks: int | None = None) -> JobGeometry:
 JobGeometry(nodes=1, tasks_per_node=1, ntasks=1))
     """
     slurm = _slurm_cfg(cfg)
-    nodes = int(slurm.get("nodes") or (cfg.get("cluster") or {}).get("nodes") or 1)
+    if nodes is None:
+        nodes = int(slurm.get("nodes") or (cfg.get("cluster") or {}).get("nodes") or 1)
     if ranks is None:
-        tpn = int(slurm.get("tasks_per_node") or 1)
+        tpn = int(tasks_per_node or slurm.get("tasks_per_node") or 1)
         return JobGeometry(nodes, tpn, nodes * tpn)
     nodes = max(1, min(nodes, ranks))
-    return JobGeometry(nodes, math.ceil(ranks / nodes), ranks)
+    tpn = max(tasks_per_node or 0, math.ceil(ranks / nodes))
+    return JobGeometry(nodes, tpn, ranks)
 
 
-def executor_parameters(cfg: Mapping[str, Any], stage: str, ranks: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``submitit.SlurmExecutor.update_parameters`` for one stage's job."""
+def executor_parameters(
+    cfg: Mapping[str, Any], stage: str, ranks: int | None = None, shape: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of ``submitit.SlurmExecutor.update_parameters`` for one stage's job.
+
+    ``shape`` is a plan's ``(nodes, most ranks on one node)``, see :func:`geometry`.
+    """
     slurm = _slurm_cfg(cfg)
-    geo = geometry(cfg, ranks)
+    geo = geometry(cfg, ranks, *(shape or (None, None)))
     params: dict[str, Any] = {
         "job_name": f"hpcsplit-{stage}",
         "time": int(slurm.get("time_min") or 30),
@@ -207,13 +223,15 @@ def _run(cmd: list[str]) -> str | None:
 
 def job_status(job_id: str) -> JobStatus:
     """Ask squeue, then sacct, then scontrol about ``job_id`` (see ``[Note: waiting without hanging]``)."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%M"])
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%M|%r"])
     if out and out.strip():
-        state, _, elapsed = out.strip().splitlines()[0].partition("|")
-        return JobStatus(state.strip(), None, elapsed.strip() or None, "squeue")
+        state, elapsed, reason = (out.strip().splitlines()[0].split("|") + ["", ""])[:3]
+        why = reason.strip() if reason.strip() not in ("", "None") else None
+        return JobStatus(state.strip(), None, elapsed.strip() or None, "squeue", why)
     out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State,ExitCode,Elapsed"])
     if out and out.strip():
-        fields = out.strip().splitlines()[0].split("|") + ["", ""]
+        # the last line is the newest job with this id (ids restart when a cluster's state is wiped)
+        fields = out.strip().splitlines()[-1].split("|") + ["", ""]
         return JobStatus(
             fields[0].split()[0] if fields[0] else "UNKNOWN", fields[1] or None, fields[2] or None, "sacct"
         )
@@ -270,7 +288,12 @@ class SubmittedJob:
 
 
 def submit(
-    entry: str, cfg: dict[str, Any], run_dir: Path, stage: str, ranks: int | None = None
+    entry: str,
+    cfg: dict[str, Any],
+    run_dir: Path,
+    stage: str,
+    ranks: int | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> SubmittedJob:
     """Submit ``entry`` as one SLURM job through submitit (does not wait)."""
     try:
@@ -282,9 +305,10 @@ def submit(
             "launcher=slurm but there is no `sbatch` on PATH: run on a SLURM login node, or use "
             "launcher=local (or start a dev cluster with slurm/dev-cluster.sh up)."
         )
-    params = executor_parameters(cfg, stage, ranks)
+    params = executor_parameters(cfg, stage, ranks, shape)
     folder = Path(run_dir) / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / f"{stage}.cfg.json").write_text(json.dumps(cfg, indent=2, default=str))
     result = _rank.result_path(run_dir, entry)
     result.unlink(missing_ok=True)
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
@@ -299,7 +323,7 @@ def submit(
             f"sbatch refused the {stage} job ({', '.join(f'{k}={v}' for k, v in params.items() if k != 'setup')}):"
             f"\n{e}\nCheck partition/account/qos in cluster.slurm (sinfo, sacctmgr show assoc user=$USER)."
         ) from e
-    geo = geometry(cfg, ranks)
+    geo = geometry(cfg, ranks, *(shape or (None, None)))
     return SubmittedJob(str(job.job_id), folder, result, stage, geo.ntasks, int(params["time"]))
 
 
@@ -340,9 +364,12 @@ def wait_for_job(
             status = status_fn(job.job_id)
             if status.state == "RUNNING" and run_t0 is None:
                 run_t0 = now
-            if status.state != last_state or now - last_echo >= progress_s:
-                echo(f"[hpcsplit] job {job.job_id} {job.stage}: {status.state:<11} elapsed {_fmt(now - t0)}")
-                last_state, last_echo = status.state, now
+            shown = status.state + (
+                f" ({status.reason})" if status.reason and status.state == "PENDING" else ""
+            )
+            if shown != last_state or now - last_echo >= progress_s:
+                echo(f"[hpcsplit] job {job.job_id} {job.stage}: {shown:<11} elapsed {_fmt(now - t0)}")
+                last_state, last_echo = shown, now
             if not status.active:
                 break
             if status.state == "UNKNOWN" and status.source == "none":
@@ -370,7 +397,7 @@ def wait_for_job(
     deadline = time.monotonic() + _RESULT_GRACE_S
     while status.state == "COMPLETED" and not job.result.exists() and time.monotonic() < deadline:
         time.sleep(0.5)  # shared filesystems may show the file late
-    if status.state == "COMPLETED" and job.result.exists():
+    if status.state in ("COMPLETED", "UNKNOWN") and job.result.exists():
         echo(
             f"[hpcsplit] job {job.job_id} {job.stage}: COMPLETED in {_fmt(time.monotonic() - t0)}; "
             f"logs in {job.folder}"
@@ -398,10 +425,11 @@ def run_mpi_slurm(
     stage: str,
     ranks: int | None = None,
     echo: Callable[[str], None] = print,
+    shape: tuple[int, int] | None = None,
 ) -> Any:
     """Submit ``entry`` as one SLURM job, wait with progress and return rank 0's result."""
     launcher = cfg.get("launcher") or {}
-    job = submit(entry, cfg, run_dir, stage, ranks)
+    job = submit(entry, cfg, run_dir, stage, ranks, shape)
     echo(
         f"[hpcsplit] submitted {stage} as SLURM job {job.job_id} ({job.ntasks} task(s)); "
         f"logs: {job.folder}/{job.job_id}_<task>_log.{{out,err}}"

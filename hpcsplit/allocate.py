@@ -52,6 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "enumerate_limit": 3000,
     "max_patterns": 5000,
     "max_cg_iters": 200,
+    "stage_time_limit_s": 2.0,
 }
 
 
@@ -491,6 +492,7 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
             instance, solver=o["solver"], time_limit_s=o["time_limit_s"], mip_rel_gap=float(o["mip_rel_gap"]),
             tol=float(o["leximin_tol"]), mode=o["mode"], enumerate_limit=int(o["enumerate_limit"]),
             max_patterns=int(o["max_patterns"]), max_cg_iters=int(o["max_cg_iters"]),
+            stage_time_limit_s=float(o["stage_time_limit_s"] or math.inf),
         )
     except _P._Infeasible as e:
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, str(e))) from e

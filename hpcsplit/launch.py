@@ -300,6 +300,20 @@ def _mpi_ranks(stage: str, cfg: Mapping[str, Any], run_dir: Path) -> int | None:
     return None if ranks is None else int(ranks)
 
 
+def _plan_shape(cfg: Mapping[str, Any], run_dir: Path) -> tuple[int, int] | None:
+    """A plan's ``(nodes, most ranks on one node)`` for the SLURM job shape."""
+    plan_path = _input_path(cfg, run_dir, "plan")
+    if plan_path is None:
+        return None
+    from collections import Counter
+
+    from hpcsplit.runtime.plan import Plan
+
+    plan = Plan.load(plan_path)
+    per_node = Counter(r.node for r in plan.ranks)
+    return plan.nodes, max(per_node.values())
+
+
 def _input_path(cfg: Mapping[str, Any], run_dir: Path, what: str) -> Path | None:
     """An earlier stage's output: the configured path, else the file in this run folder, else None."""
     paths = cfg.get("paths") or {}
@@ -318,14 +332,23 @@ def _input_path(cfg: Mapping[str, Any], run_dir: Path, what: str) -> Path | None
 
 
 def run_mpi(
-    entry: str, cfg: dict[str, Any], run_dir: Path, stage: str, ranks: int | None, echo: Echo = _echo
+    entry: str,
+    cfg: dict[str, Any],
+    run_dir: Path,
+    stage: str,
+    ranks: int | None,
+    echo: Echo = _echo,
+    shape: tuple[int, int] | None = None,
 ) -> Any:
-    """Run an MPI entry point with the configured launcher (local mpiexec or SLURM)."""
+    """Run an MPI entry point with the configured launcher (local mpiexec or SLURM).
+
+    ``shape`` (a plan's nodes and most ranks per node) only matters under SLURM.
+    """
     launcher = (cfg.get("launcher") or {}).get("name", "local")
     if launcher == "slurm":
         from hpcsplit import _slurm
 
-        return _slurm.run_mpi_slurm(entry, cfg, run_dir, stage, ranks, echo=echo)
+        return _slurm.run_mpi_slurm(entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape)
     return run_mpi_local(entry, cfg, run_dir, stage, ranks or 1, echo=echo)
 
 
@@ -340,7 +363,9 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo
     fn, why = _available(mod, func)
     if fn is None:
         raise LaunchError(f"stage={stage} is not available in this version: {why}")
-    result = run_mpi(f"{mod}:{func}", cfg, run_dir, stage, _mpi_ranks(stage, cfg, run_dir), echo=echo)
+    ranks = _mpi_ranks(stage, cfg, run_dir)
+    shape = _plan_shape(cfg, run_dir) if stage in ("serve", "bench") else None
+    result = run_mpi(f"{mod}:{func}", cfg, run_dir, stage, ranks, echo=echo, shape=shape)
     if stage == "probe" and (cfg.get("launcher") or {}).get("name") == "slurm" and isinstance(result, list):
         from hpcsplit.probe import format_table
 

@@ -535,7 +535,9 @@ def partition(
         base = _name(groups[i][0], p, root)
         if not base:
             kind = groups[i][1]
-            if kind == "sequential" and k == 0:
+            if len(topo) == 1:
+                base = "model"
+            elif kind == "sequential" and k == 0:
                 base = "stem"
             elif kind == "sequential" and k == len(topo) - 1:
                 base = "head"

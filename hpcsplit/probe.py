@@ -179,7 +179,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     Examples
     --------
-    >>> print(format_table([{"host": "n1", "rank": 0, "world_size": 1, "gpu": None}]).splitlines()[0][:16])
+    >>> print(format_table([{"host": "n1", "rank": 0, "world_size": 1, "gpu": None}]).splitlines()[0][:17])
     host  rank  world
     """
     cols = [(key, title) for key, title in _COLUMNS if any(key in r for r in rows)]

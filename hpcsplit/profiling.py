@@ -27,7 +27,7 @@ from hpcsplit._profile_measure import (
     Measurement,
     StopOnSignal,
     apply_slice,
-    chain_signal,
+    call_previous_handler,
     cores_here,
     device_meta,
     load_on_device,
@@ -346,7 +346,7 @@ def profile_components(
         "wall_s": round(time.perf_counter() - t_start, 3),
     }
     if interrupted and chain_signal and signum:
-        chain_signal(signum)
+        call_previous_handler(signum)
     return summary
 
 
@@ -575,7 +575,7 @@ def profile_components_mpi(
     signum = summary.get("signal")
     if signum:
         comm.barrier()  # the merged file is flushed before any requeue handler runs
-        chain_signal(int(getattr(signal, signum)))
+        call_previous_handler(int(getattr(signal, signum)))
     return result
 
 

@@ -176,6 +176,7 @@ class Switchboard:
 
     def _load_program(self, rel: str, ref: L.FileRef | L.ComponentSpec, what: str) -> Any:
         path = L.check_file(self.path, ref, what, full=True)
+        _refuse_pickles(path, what)
         try:
             ep = torch.export.load(str(path))
         except Exception as e:
@@ -329,6 +330,31 @@ class Switchboard:
         return f"Switchboard({str(self.path)!r}, model={self.model_name!r}, components={list(self.order)})"
 
 
+def _refuse_pickles(path: Path, what: str) -> None:
+    """Refuse a program archive that carries pickled data (``torch.export.load`` would unpickle it).
+
+    hpcsplit saves programs without example inputs, so ``sample_inputs`` entries are empty.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickled = [i.filename for i in z.infolist() if "/sample_inputs/" in i.filename and i.file_size > 0]
+    except (zipfile.BadZipFile, OSError) as e:
+        raise SwitchboardError(f"{what} file {path} is not a torch.export archive ({e}); re-run the export") from e
+    if pickled:
+        raise SwitchboardError(
+            f"{what} file {path} carries pickled data ({pickled[0]}); hpcsplit loads no pickles; "
+            "re-export it with hpcsplit.export"
+        )
+
+
+def _save_program(ep: Any, path: Path) -> None:
+    """``torch.export.save`` without the pickled example inputs (weights are raw bytes, graph JSON)."""
+    ep.example_inputs = None
+    torch.export.save(ep, str(path))
+
+
 def _on_device(ep: Any, device: str | torch.device | None) -> Any:
     if device is None or torch.device(device).type == "cpu":
         return ep
@@ -361,7 +387,7 @@ def export(
     rtol: float = DEFAULT_RTOL,
     dynamic_batch: bool = True,
     timing_batch: int | None = None,
-    timing_repeats: int = 5,
+    timing_repeats: int = 3,
     cost: str = "measured",
     device: str | None = None,
     overwrite: bool = True,
@@ -398,8 +424,17 @@ def export(
     CaptureError, PartitionError, VerificationError
     """
     t_start = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def lap(name: str, t0: list[float] = [t_start]) -> None:  # noqa: B006 - a running clock
+        now = time.perf_counter()
+        phases[name] = round(now - t0[0], 3)
+        t0[0] = now
+
     cg = capture(model, args, kwargs, dynamic_batch=dynamic_batch)
+    lap("capture")
     costs = measure_nodes(cg, batch_size=timing_batch, repeats=timing_repeats, device=device)
+    lap("timing")
     g = dataflow_graph(cg, costs, cost=cost)
     regions = find_regions(
         g,
@@ -407,6 +442,7 @@ def export(
         max_branches=int(partition_options.get("max_branches", 8)),
     )
     comps = partition(g, stages=stages, max_stage_ms=max_stage_ms, **partition_options)
+    lap("partition")
     split = split_graph(cg, comps)
     # golden activations: run the pieces as fx modules on the capture inputs
     env = dict(zip(split.input_names, cg.flat_inputs, strict=True))
@@ -428,7 +464,7 @@ def export(
         for p in split.pieces:
             ep = export_piece(p, [env[n] for n in p.input_names], dynamic_batch=dynamic_batch)
             rel = f"programs/{p.name}.pt2"
-            torch.export.save(ep, str(tmp / rel))
+            _save_program(ep, tmp / rel)
             comp_specs.append(
                 L.ComponentSpec(
                     name=p.name,
@@ -448,7 +484,8 @@ def export(
                     file_bytes=(tmp / rel).stat().st_size,
                 )
             )
-        torch.export.save(cg.exported, str(tmp / "programs" / "whole.pt2"))
+        lap("cut_and_export_components")
+        _save_program(cg.exported, tmp / "programs" / "whole.pt2")
         whole = _ref(tmp, "programs/whole.pt2")
         golden = _write_golden(tmp / _GOLDEN, cg, split, env, ref_flat, comp_specs)
         layout = L.Layout(
@@ -497,12 +534,16 @@ def export(
         )
         layout.write(tmp / _LAYOUT)
         sb = Switchboard.load(tmp)
+        lap("write")
         report = sb.verify(atol, rtol)
+        lap("verify_components")
         whole_rep = _compare(sb.load_whole()(*sb.example_inputs()), sb.golden_outputs(), atol, rtol)
+        lap("verify_whole")
         verification = {
             **report.to_json(),
             "whole_max_abs_diff": whole_rep[0],
             "export_seconds": time.perf_counter() - t_start,
+            "phases_s": phases,
         }
         d = json.loads((tmp / _LAYOUT).read_text())
         d["verification"] = verification
@@ -597,7 +638,7 @@ def run_export(cfg: dict, run_dir: Path) -> dict:
         atol=float(ver.get("atol", DEFAULT_ATOL)),
         rtol=float(ver.get("rtol", DEFAULT_RTOL)),
         timing_batch=part.get("timing_batch"),
-        timing_repeats=int(part.get("timing_repeats", 5)),
+        timing_repeats=int(part.get("timing_repeats", 3)),
         cost=str(part.get("cost", "measured")),
         device=part.get("device"),
         **options,

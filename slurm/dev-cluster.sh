@@ -36,8 +36,11 @@ PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server mariadb-cl
 log() { printf '[dev-cluster] %s\n' "$*"; }
 die() { printf '[dev-cluster] ERROR: %s\n' "$*" >&2; exit 1; }
 
-pid_alive() {  # pid_alive FILE -> 0 when the PID in FILE runs
-    [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+pid_alive() {  # pid_alive FILE -> 0 when the PID in FILE runs (a zombie does not)
+    [[ -s $1 ]] || return 1
+    local pid
+    pid=$(cat "$1")
+    kill -0 "$pid" 2>/dev/null && [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]]
 }
 
 daemon_alive() {  # daemon_alive NAME FILE -> 0 when the PID in FILE runs and is NAME
@@ -223,8 +226,9 @@ start_slurm() {
             || die "slurmdbd does not answer: see $STATE/log/slurmdbd.log"
     fi
     if ! daemon_alive slurmctld "$STATE/run/slurmctld.pid"; then
-        # -c: clean state, so a node left INVALID/DRAINED by an earlier run comes back.
-        slurmctld -c || die "slurmctld did not start: see $STATE/log/slurmctld.log"
+        # Keep the saved state (no -c): job ids must keep growing, since slurmdbd remembers old ones.
+        # A node left DOWN/DRAINED by an earlier run is resumed below.
+        slurmctld || die "slurmctld did not start: see $STATE/log/slurmctld.log"
         wait_for 30 slurmctld scontrol ping || die "slurmctld does not answer: see $STATE/log/slurmctld.log"
     fi
     if ! daemon_alive slurmd "$STATE/run/slurmd.pid"; then

@@ -68,8 +68,10 @@ def _decode_error(m: tp.Message) -> str:
 class Frontend:
     """Rank 0's side of serving a :class:`Dataflow` (see the module docstring)."""
 
-    def __init__(self, comm: Any, dataflow: Dataflow, tracer: Tracer | None = None) -> None:
+    def __init__(self, comm: Any, dataflow: Dataflow, tracer: Tracer | None = None,
+                 idle_sleep_s: float = 2e-3) -> None:
         self.comm = comm
+        self.idle_sleep_s = idle_sleep_s
         self.df = dataflow
         self.router = Router(dataflow)
         self.tracer = tracer or Tracer(comm.Get_rank(), None, None)
@@ -123,7 +125,7 @@ class Frontend:
         self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, 0.0)
         inflight: dict[int, list[Any]] = {}  # idx -> [route, outputs, missing]
         keep = on_done is not None
-        backoff = tp.Backoff()
+        backoff = tp.Backoff(deep_sleep_s=self.idle_sleep_s)
         t0 = time.perf_counter()
         next_i = 0
         resolved = 0
@@ -244,8 +246,15 @@ class Frontend:
 
     # ------------------------------------------------------------------ control
     def stop_all(self) -> None:
-        """Tell every component rank to finish (after its pending work) and return."""
-        ranks = sorted({r for c in self.df.components for r in c.replicas})
-        for r in ranks:
+        """Start the shutdown: STOP to every replica fed by the frontend (it propagates downstream).
+
+        Outputs still on their way (of timed-out requests) are received and dropped later by
+        :meth:`drop_strays`, which the caller keeps calling until the components report back.
+        """
+        for r in self.df.entry_ranks():
             self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP))
         self.outbox.drain(timeout_s=30.0)
+
+    def drop_strays(self) -> int:
+        """Receive and drop whatever arrives (late outputs); returns how many messages."""
+        return len(self.inbox.poll())

@@ -12,6 +12,12 @@ has to compute at run time:
   frontend (:class:`Router`, fewest outstanding requests); it travels in every message header so a join
   component receives all inputs of one request on the same replica.
 
+Shutdown travels the same way: the frontend sends STOP to the replicas it feeds; a replica that has
+a STOP from every rank upstream of it (``Dataflow.upstream_ranks``) has received all its data (MPI keeps
+the order of one sender's messages); it finishes its queue, waits for its sends, then sends STOP to
+every replica downstream.  So no message is ever left unreceived, even late outputs of timed-out
+requests.
+
 ``whole_graph`` / ``whole_plan`` describe the baseline: the unsplit model served by the same ranks.
 ``Dataflow.format()`` prints the whole thing (test it, print it in logs).
 """
@@ -128,6 +134,30 @@ class Dataflow:
             for dst, slot in sinks:
                 out.setdefault(dst, []).append((j, slot))
         return {k: tuple(v) for k, v in out.items()}
+
+    def upstream_ranks(self, name: str) -> tuple[int, ...]:
+        """Ranks that may send inputs to replicas of ``name`` (the frontend is 0).
+
+        Each sends a STOP after its last data message, so a replica has seen everything once it has
+        a STOP from each of them (``[Note: serve dataflow]``).
+        """
+        out: set[int] = set()
+        for src, _ in self.component(name).sources:
+            out.update((0,) if src == INPUT else self.component(src).replicas)
+        return tuple(sorted(out))
+
+    def downstream_ranks(self, name: str) -> tuple[int, ...]:
+        """Component ranks replicas of ``name`` send to (not the frontend)."""
+        out: set[int] = set()
+        for sinks in self.component(name).sinks:
+            for dst, _ in sinks:
+                if dst != OUTPUT:
+                    out.update(self.component(dst).replicas)
+        return tuple(sorted(out))
+
+    def entry_ranks(self) -> tuple[int, ...]:
+        """Ranks the frontend sends model inputs to (and so STOP to)."""
+        return tuple(sorted({r for c in self.entry_groups() for r in self.component(c).replicas}))
 
     def format(self) -> str:
         """A readable description: one line per component and per model input/output."""

@@ -45,10 +45,16 @@ def _say(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def _barrier(comm: Any) -> None:
-    """A barrier that waits without spinning (``Ibarrier`` + backoff polling)."""
+def _barrier(comm: Any, while_waiting: Any = None) -> None:
+    """A barrier that waits without spinning (``Ibarrier`` + backoff polling), calling ``while_waiting``."""
     req = comm.Ibarrier()
-    tp.wait_polling(req.Test)
+
+    def _done() -> bool:
+        if while_waiting is not None:
+            while_waiting()
+        return bool(req.Test())
+
+    tp.wait_polling(_done)
 
 
 def _tracer(ctx: Context, label: str) -> Tracer:
@@ -111,7 +117,8 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
         fn = _with_fault(fn, rt.get("fault"), name)
         _barrier(comm)
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), float(rt["max_wait_ms"]) / 1e3,
-                             float(rt["request_timeout_s"]), tracer, ctx.device, float(rt["abort_grace_s"]))
+                             float(rt["request_timeout_s"]), tracer, ctx.device, float(rt["abort_grace_s"]),
+                             float(rt["idle_sleep_ms"]) / 1e3)
         st["variant"] = vname
         all_stats.append(st)
     tracer.write(ctx.run_dir)
@@ -185,15 +192,14 @@ def _check_end_to_end(ctx: Context, fe: Frontend, vname: str) -> dict[str, Any]:
     return {"samples": len(res.ok), "reference": what, "max_abs_diff": worst}
 
 
-def _collect_stats(ctx: Context) -> list[dict[str, Any]]:
+def _collect_stats(ctx: Context, fe: Frontend) -> list[dict[str, Any]]:
     from hpcsplit._mpi import MPI
 
     comm = ctx.comm
     out: list[dict[str, Any]] = []
-    strays = tp.Inbox(comm)  # late outputs of timed-out requests: receive and drop them
 
     def _ready(st: Any) -> bool:
-        strays.poll()
+        fe.drop_strays()  # late outputs of timed-out requests: receive and drop them
         return bool(comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_STATS, status=st))
 
     for _ in range(comm.Get_size() - 1):
@@ -211,10 +217,13 @@ def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str
                                "threads": ctx.threads.describe(), "variants": {}}
     next_id = 0
     bench_results: dict[str, Any] = {}
+    fe: Frontend | None = None
     for vname, df in variants:
-        fe = Frontend(comm, df, tracer)
+        prev = fe
+        fe = Frontend(comm, df, tracer, float(rt["idle_sleep_ms"]) / 1e3)
         fe.next_id = next_id
-        _barrier(comm)  # every component rank has loaded and checked its callable
+        # every component rank has loaded and checked its callable (and sent the last variant's strays)
+        _barrier(comm, prev.drop_strays if prev is not None else None)
         try:
             vsum: dict[str, Any] = {}
             if rt.get("verify", True):
@@ -229,7 +238,8 @@ def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str
         finally:
             next_id = fe.next_id
         fe.stop_all()
-    summary["ranks"] = _collect_stats(ctx)
+    assert fe is not None
+    summary["ranks"] = _collect_stats(ctx, fe)
     for st in summary["ranks"]:
         if st.get("wall_s"):
             st["cpu_pct_of_core"] = 100.0 * st["cpu_s"] / st["wall_s"]

@@ -45,6 +45,8 @@ class Tracer:
 
     def span(self, name: str, t0: float, t1: float, request_ids: Iterable[int], **args: Any) -> None:
         """Record ``name`` from ``t0`` to ``t1`` (``time.perf_counter`` seconds) if in the window."""
+        if not self.enabled:
+            return
         ids = list(request_ids)
         if not self.wants(ids):
             return

@@ -104,6 +104,9 @@ def dtype_code(dtype: torch.dtype) -> int:
     >>> code_dtype(dtype_code(torch.bfloat16))
     torch.bfloat16
     """
+    code = _CODE.get(dtype)
+    if code is not None:
+        return code
     try:
         return _CODE[dtype]
     except KeyError:
@@ -360,24 +363,28 @@ def isend_message(
     SendHandle
         Test or wait on it before touching the tensors again.
     """
-    aware = cuda_aware_mpi()[0] if any(x[1].is_cuda for x in tensors) else False
-    metas = []
-    reqs: list[Any] = []
+    if routes and (len(routes) != len(request_ids) or any(len(r) != len(routes[0]) for r in routes)):
+        raise RuntimeStageError(f"header routes {routes} do not give one route per request {request_ids}")
+    aware = False
+    parts: list[int] = [MAGIC, VERSION, kind, int(aux), len(request_ids), len(routes[0]) if routes else 0,
+                        len(tensors)]
+    parts.extend(request_ids)
+    for r in routes:
+        parts.extend(r)
     keep: list[Any] = []
     bufs = []
     for x in tensors:
-        slot, t = x[0], x[1]
-        rdim = x[2] if len(x) > 2 else 0  # type: ignore[misc]
-        metas.append(TensorMeta(int(slot), t.dtype, tuple(int(s) for s in t.shape), int(rdim)))
+        t = x[1]
+        if t.is_cuda and not aware:
+            aware = cuda_aware_mpi()[0]
+        parts.extend((x[0], x[2] if len(x) > 2 else 0, dtype_code(t.dtype), t.ndim))  # type: ignore[misc]
+        parts.extend(t.shape)
         buf, k = _send_buffer(t, aware)
         bufs.append(buf)
         keep.extend(k)
-    hdr = encode_header(
-        Header(kind, tuple(int(i) for i in request_ids), tuple(tuple(int(x) for x in r) for r in routes),
-               tuple(metas), int(aux))
-    )
+    hdr = np.array(parts, dtype=np.int64)
     keep.append(hdr)
-    reqs.append(comm.Isend([hdr, MPI.INT64_T], dest=dest, tag=TAG_HEADER))
+    reqs = [comm.Isend([hdr, MPI.INT64_T], dest=dest, tag=TAG_HEADER)]
     for buf in bufs:
         reqs.append(comm.Isend(buf, dest=dest, tag=TAG_PAYLOAD))
     return SendHandle(reqs, keep)
@@ -533,17 +540,20 @@ def recv_message(comm: Any, source: int | None = None, device: torch.device | No
 
 
 class Backoff:
-    """Idle policy of a rank loop: poll back to back for ``spin_s``, then sleep 20 us doubling to ``max_sleep_s``.
+    """Idle policy of a rank loop: spin ``spin_s``, then sleep 20 us doubling to ``max_sleep_s``; after
+    ``deep_after_s`` without work the ceiling becomes ``deep_sleep_s``.
 
-    Call :meth:`reset` whenever the loop did work and :meth:`idle` when it found none.  An idle rank
-    then wakes about 1,000 times a second for an ``Iprobe`` (well under 1% of a core), instead of
-    MPICH's blocking ``Recv`` that spins a whole core.
+    Call :meth:`reset` whenever the loop did work and :meth:`idle` when it found none.  A rank idle for
+    long wakes ``1 / deep_sleep_s`` times a second for an ``Iprobe`` instead of spinning a whole core in
+    MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives.
     """
 
-    __slots__ = ("_since", "_sleep", "max_sleep_s", "spin_s")
+    __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
 
-    def __init__(self, spin_s: float = 50e-6, max_sleep_s: float = 1e-3) -> None:
+    def __init__(self, spin_s: float = 50e-6, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
+                 deep_after_s: float = 0.05) -> None:
         self.spin_s, self.max_sleep_s = spin_s, max_sleep_s
+        self.deep_sleep_s, self.deep_after_s = max(deep_sleep_s, max_sleep_s), deep_after_s
         self._since: float | None = None
         self._sleep = 20e-6
 
@@ -555,14 +565,16 @@ class Backoff:
         """Spin or sleep once; never past ``wake_at`` (a perf_counter time) if given."""
         if self._since is None:
             self._since = now
-        if now - self._since < self.spin_s:
+        idle_for = now - self._since
+        if idle_for < self.spin_s:
             return
         s = self._sleep
         if wake_at is not None:
             s = min(s, max(0.0, wake_at - now))
         if s > 0:
             time.sleep(s)
-        self._sleep = min(self._sleep * 2, self.max_sleep_s)
+        ceiling = self.deep_sleep_s if idle_for > self.deep_after_s else self.max_sleep_s
+        self._sleep = min(self._sleep * 2, ceiling)
 
 
 class Inbox:

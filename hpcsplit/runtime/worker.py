@@ -53,6 +53,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "verify_atol": 1e-4,
     "verify_rtol": 1e-3,
     "abort_grace_s": 3.0,
+    "idle_sleep_ms": 2.0,
     "fault": None,  # tests: {component, kind: raise|sleep, after_batches, sleep_s, times}
 }
 
@@ -161,6 +162,7 @@ def serve_component(
     tracer: Any = None,
     device: Any = None,
     abort_grace_s: float = 3.0,
+    idle_sleep_s: float = 2e-3,
 ) -> dict[str, Any]:
     """Serve component ``name`` on this rank until the frontend sends STOP; return counters.
 
@@ -183,10 +185,11 @@ def serve_component(
     batcher = Batcher(batch_size, max_wait_s)
     inbox = tp.Inbox(comm, device)
     outbox = tp.Outbox()
-    backoff = tp.Backoff()
+    backoff = tp.Backoff(deep_sleep_s=idle_sleep_s)
     stats = {"rank": rank, "component": name, "batches": 0, "requests": 0, "compute_s": 0.0,
              "expired": 0, "max_batch": 0}
     t_start, cpu_start = time.perf_counter(), cpu_seconds()
+    stops_needed = set(df.upstream_ranks(name))
     stopping = False
     next_expire = t_start + 1.0
     with torch.inference_mode():
@@ -196,7 +199,8 @@ def serve_component(
                 worked = True
                 h = m.header
                 if h.kind == tp.KIND_STOP:
-                    stopping = True
+                    stops_needed.discard(m.source)
+                    stopping = not stops_needed
                     continue
                 if h.kind != tp.KIND_DATA:
                     continue
@@ -233,9 +237,12 @@ def serve_component(
                 next_expire = now + 1.0
                 stats["expired"] += len(join.expire(now, request_timeout_s))
             if stopping and not len(batcher) and not inbox.pending:
-                # late outputs of timed-out requests may never be received: do not wait forever
-                if not outbox.drain(timeout_s=10.0):
-                    _say(rank, f"{name}: {len(outbox.pending)} send(s) not received after STOP; leaving them")
+                # every receiver keeps receiving until it has our STOP, so these complete
+                if not outbox.drain(timeout_s=120.0):
+                    _say(rank, f"{name}: {len(outbox.pending)} send(s) still not received 120 s after STOP")
+                for r in df.downstream_ranks(name):
+                    outbox.add(tp.isend_message(comm, r, tp.KIND_STOP))
+                outbox.drain(timeout_s=120.0)
                 break
             if worked:
                 backoff.reset()
@@ -299,7 +306,9 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
     plan = Plan.load(_input_path(cfg, run_path, "plan"))
     _mpi.check_world_size(comm, plan.world_size)
     entry = plan.rank_entry(rank)
-    local_ranks = comm.Split_type(_mpi.MPI.COMM_TYPE_SHARED).Get_size()
+    node_comm = comm.Split_type(_mpi.MPI.COMM_TYPE_SHARED)
+    local_ranks = node_comm.Get_size()
+    node_comm.Free()
     choice = configure_rank(rt, entry.threads if plan.device_kind == "cpu" else None, local_ranks)
 
     import torch  # only now: OpenMP reads OMP_NUM_THREADS / OMP_WAIT_POLICY when torch loads it

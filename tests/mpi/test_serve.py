@@ -183,3 +183,40 @@ def test_slow_component_times_out(tmp_path: Path, toy_sb: Path) -> None:
     assert "exceeded runtime.request_timeout_s" in p.stderr
     out = _read(tmp_path / "out.npz")
     assert out["done"][:2].all() and not out["done"].all()
+
+
+def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> None:
+    n = _plan(clip_sb, tmp_path / "plan.json", batch=2)
+    cfg = {"stage": "bench", "plan": str(tmp_path / "plan.json"), "switchboard": str(clip_sb),
+           "runtime": {"verify": False},
+           "bench": {"qps": [10, 40], "duration_s": 1.0, "warmup_s": 0, "arrival": "constant"}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank",
+           "hpcsplit.runtime.worker:mpi_main", str(tmp_path / "cfg.json"), str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Latency Improvement (%)" in p.stdout
+    bench = tmp_path / "run" / "bench"
+    rows = (bench / "summary.csv").read_text().splitlines()
+    assert rows[0].startswith("variant,offered_qps") and len(rows) == 5  # header + 2 variants x 2 levels
+    assert (bench / "latency_vs_qps.png").stat().st_size > 0 and (bench / "throughput_vs_qps.png").exists()
+    import h5py
+
+    with h5py.File(bench / "requests.h5") as f:
+        lvl = f["split/qps_10"]
+        assert lvl["latency_ms"].shape == (10,) and lvl.attrs["n_ok"] == 10
+        assert set(f) == {"whole", "split", "improvement"}
+
+
+@pytest.mark.slow
+def test_toy_with_joins_on_seven_ranks(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    sb_dir = _export(tmp_path_factory.mktemp("toy6") / "sb", {"name": "toy_mlp"})  # 6 components, 2 joins
+    n = _plan(sb_dir, tmp_path / "plan.json", batch=4)
+    assert n == 7
+    inputs = _inputs(sb_dir, 17, tmp_path / "in.npz")
+    p = _serve(tmp_path, sb_dir, n, {"input_path": str(tmp_path / "in.npz"),
+                                     "output_path": str(tmp_path / "out.npz"), "max_inflight": 6})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = _read(tmp_path / "out.npz")
+    np.testing.assert_allclose(out["output"], _whole_per_request(sb_dir, inputs)[0], rtol=1e-4, atol=1e-5)

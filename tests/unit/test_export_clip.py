@@ -69,6 +69,21 @@ def test_clip_output_structure_is_restored(tmp_path: Path) -> None:
     assert [t.name for t in sb.layout.outputs] == ["output_0", "output_1"]
 
 
+def test_clip_towers_cut_into_stages(tiny: torch.nn.Module, tmp_path: Path) -> None:
+    # cuts inside the towers: pieces recompute the symbolic batch from their own inputs
+    xs = example_inputs("clip_tiny", 2, model=tiny)
+    sb = hpcsplit.export(tiny, xs, out=tmp_path / "sb", stages=3, cost="flops", timing_repeats=1)
+    vision = [n for n in sb.order if n.startswith("vision_model")]
+    assert vision == ["vision_model_0", "vision_model_1", "vision_model_2"]
+    assert all(sb.components[n].kind == "stage" for n in vision)
+    mid = sb.components["vision_model_1"]
+    assert [t.shape[0] for t in mid.inputs] == ["batch"] * len(mid.inputs)
+    assert "pixel_values" not in [t.name for t in mid.inputs]
+    x3 = example_inputs("clip_tiny", 3, model=tiny, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(sb(*x3), tiny(*x3), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_full_vit_b32_clip_export_and_verify(tmp_path: Path) -> None:
     model = build_clip("base")

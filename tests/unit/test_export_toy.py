@@ -134,3 +134,30 @@ def test_components_run_on_cuda(sb: Switchboard, toy: torch.nn.Module) -> None:
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-3)
     (whole,) = sb.load_whole(device=dev)(sb.example_inputs(4)[0].to(dev))
     torch.testing.assert_close(whole.cpu(), want, atol=1e-4, rtol=1e-3)
+
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.mark.parametrize("name", ["toy_mlp", "clip_tiny"])
+def test_model_configs_build_their_models(name: str) -> None:
+    from omegaconf import OmegaConf
+
+    from hpcsplit.models import build_model
+
+    if name.startswith("clip"):
+        pytest.importorskip("transformers")
+    cfg = OmegaConf.create({"seed": 0, "model": OmegaConf.load(CONF / "model" / f"{name}.yaml")})
+    model_cfg = OmegaConf.to_container(cfg, resolve=True)["model"]  # type: ignore[index]
+    model, args, kwargs = build_model(model_cfg)  # type: ignore[arg-type]
+    assert kwargs == {}
+    assert all(a.shape[0] == model_cfg["batch_size"] for a in args)  # type: ignore[index]
+    with torch.no_grad():
+        model(*args)
+
+
+@pytest.mark.parametrize("name", ["toy", "clip", "clip_tiny"])
+def test_experiments_are_global_packages(name: str) -> None:
+    lines = (CONF / "experiment" / f"{name}.yaml").read_text().splitlines()
+    assert lines[0] == "# @package _global_"  # Hydra reads headers only up to the first other line
+    assert f"+experiment={name}" in lines[1]

@@ -175,6 +175,9 @@ def test_geometry_and_parameters() -> None:
     cfg = _cfg("slurm", "perlmutter")
     assert _slurm.geometry(cfg) == _slurm.JobGeometry(2, 4, 8)
     assert _slurm.geometry(cfg, 5) == _slurm.JobGeometry(2, 3, 5)
+    # a plan: 9 ranks on 2 nodes, 5 on the first (frontend + 4 components) -> 5 per node, --ntasks=9
+    assert _slurm.geometry(cfg, 9, nodes=2, tasks_per_node=5) == _slurm.JobGeometry(2, 5, 9)
+    assert _slurm.geometry(cfg, 3, nodes=1, tasks_per_node=3) == _slurm.JobGeometry(1, 3, 3)
     params = _slurm.executor_parameters(cfg, "serve", 5)
     assert params["additional_parameters"] == {"ntasks": 5}
     assert params["srun_args"] == ["--mpi=pmi2", "--kill-on-bad-exit=1"]

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpcsplit.runtime.batching import Batcher, JoinBuffer, Row, row_runs, stack_rows, take_requests  # noqa: E402
+from hpcsplit.runtime.batching import Batcher, JoinBuffer, Row, row_runs, stack_rows, take_requests
 
 
 def test_join_waits_for_every_slot_in_any_order() -> None:

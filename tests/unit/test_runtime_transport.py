@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpcsplit.errors import RuntimeStageError  # noqa: E402
-from hpcsplit.runtime import transport as tp  # noqa: E402
+from hpcsplit.errors import RuntimeStageError
+from hpcsplit.runtime import transport as tp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
@@ -57,7 +57,7 @@ def test_send_buffer_is_a_view_not_a_copy() -> None:
     arr = buf[0]
     assert arr.ctypes.data == t.data_ptr()
     b16 = t.to(torch.bfloat16)
-    buf, keep = tp._send_buffer(b16, cuda_aware=False)
+    buf, _keep = tp._send_buffer(b16, cuda_aware=False)
     assert buf[0].nbytes == b16.numel() * 2
 
 

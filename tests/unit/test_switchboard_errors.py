@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hpcsplit
+from hpcsplit._layout import sha256_file
 from hpcsplit.capture import capture
 from hpcsplit.errors import CaptureError, SwitchboardError, VerificationError
 from hpcsplit.models import build_toy, example_inputs
@@ -57,6 +58,21 @@ def test_program_from_another_component_is_refused(copy: Path) -> None:
     (copy / "layout.json").write_text(json.dumps(d))
     with pytest.raises(SwitchboardError, match="takes 1 inputs.*records 2"):
         Switchboard.load(copy).load_component("mixer")
+
+
+def test_program_with_pickled_data_is_refused(copy: Path) -> None:
+    # even with a matching hash: torch.export.load would unpickle the sample inputs
+    prog = copy / "programs" / "left.pt2"
+    ep = torch.export.load(str(prog))
+    ep.example_inputs = ((torch.zeros(2, 16),), {})
+    torch.export.save(ep, str(prog))
+    d = json.loads((copy / "layout.json").read_text())
+    for c in d["components"]:
+        if c["name"] == "left":
+            c.update(sha256=sha256_file(prog), file_bytes=prog.stat().st_size)
+    (copy / "layout.json").write_text(json.dumps(d))
+    with pytest.raises(SwitchboardError, match=r"left\.pt2 carries pickled data"):
+        Switchboard.load(copy).load_component("left")
 
 
 @pytest.mark.parametrize(

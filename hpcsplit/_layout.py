@@ -27,6 +27,10 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 BATCH = "batch"
+LAYOUT_FILE = "layout.json"
+GOLDEN_FILE = "golden.safetensors"
+DEFAULT_ATOL = 1e-5  # verification tolerance for fp32
+DEFAULT_RTOL = 1e-4
 
 
 def sha256_file(path: Path) -> str:

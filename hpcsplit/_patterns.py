@@ -24,15 +24,27 @@ vector without guessing which component is the bottleneck.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import LinearConstraint, linprog, milp
+from scipy.optimize import linprog
+
+from hpcsplit._packing import (
+    _GRID,
+    _GRID_FINE,
+    DeviceKind,
+    Instance,
+    Item,
+    Pattern,
+    _dp_price,
+    enumerate_patterns,
+    pattern_fits,
+    price_pattern,
+)
 
 __all__ = [
     "DeviceKind",
@@ -41,61 +53,11 @@ __all__ = [
     "Pattern",
     "Solution",
     "StageInfo",
-    "brute_force_leximin",
     "enumerate_patterns",
-    "leximin_key",
     "pattern_fits",
     "price_pattern",
     "solve_patterns",
-    "solve_per_device",
 ]
-
-_EPS = 1e-9
-_GRID = 1000  # steps of the second knapsack resource in DP pricing
-_GRID_FINE = 4000  # for the optimistic DP that bounds the LP once column generation converged
-Pattern = tuple[tuple[int, int], ...]  # ((item index in kind.items, count), ...), sorted
-
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One way to run one replica: component, batch size and slice, with its predicted figures."""
-
-    comp: int
-    batch_size: int
-    slice_idx: int  # index into DeviceKind.slice_sizes
-    throughput_rps: float
-    utilization: float
-    mem_bytes: float
-    latency_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceKind:
-    """A group of interchangeable devices and what fits on one of them."""
-
-    name: str
-    count: int
-    slice_sizes: tuple[float, ...]  # GB (GPU) or threads (CPU)
-    slice_units: tuple[int, ...]  # each slice's size in integer capacity units
-    capacity_units: int  # sum of slice units per device (when layouts is None)
-    util_limit: float
-    max_items: int  # ranks per device
-    items: tuple[Item, ...]
-    layouts: tuple[tuple[int, ...], ...] | None = None  # allowed layouts: count per slice index
-    shared_mem_bytes: float | None = None  # CPU: host memory all items share
-
-
-@dataclass(frozen=True, slots=True)
-class Instance:
-    """A whole allocation problem: components (with weights) and device kinds."""
-
-    n_comp: int
-    weights: tuple[float, ...]  # 0: the component needs a replica but has no throughput target
-    kinds: tuple[DeviceKind, ...]
-
-    @property
-    def active(self) -> tuple[int, ...]:
-        return tuple(c for c in range(self.n_comp) if self.weights[c] > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,280 +94,16 @@ class Solution:
 
     @property
     def gap(self) -> float:
+        """Relative gap of stage 1 (the smallest normalised throughput) to its upper bound."""
+        return self.stages[0].gap if self.stages else 0.0
+
+    @property
+    def max_gap(self) -> float:
+        """Largest relative gap over all stages (later stages sum many components: looser bounds)."""
         return max((s.gap for s in self.stages), default=0.0)
 
 
-# ------------------------------------------------------------------------------------------ patterns
-def _usage(kind: DeviceKind, counts: dict[int, int]) -> tuple[tuple[int, ...], float, float, int]:
-    slice_counts = [0] * len(kind.slice_sizes)
-    util = mem = 0.0
-    n = 0
-    for i, k in counts.items():
-        it = kind.items[i]
-        slice_counts[it.slice_idx] += k
-        util += k * it.utilization
-        mem += k * it.mem_bytes
-        n += k
-    return tuple(slice_counts), util, mem, n
-
-
-def _layout_ok(kind: DeviceKind, slice_counts: Sequence[int]) -> bool:
-    if kind.layouts is None:
-        return sum(c * u for c, u in zip(slice_counts, kind.slice_units, strict=True)) <= kind.capacity_units
-    return any(all(c <= lc for c, lc in zip(slice_counts, lay, strict=True)) for lay in kind.layouts)
-
-
-def pattern_fits(kind: DeviceKind, counts: dict[int, int]) -> bool:
-    """Whether items ``{item index: count}`` fit one device of ``kind`` (layout, utilization, memory)."""
-    slice_counts, util, mem, n = _usage(kind, counts)
-    if n > kind.max_items or util > kind.util_limit + 1e-9:
-        return False
-    if kind.shared_mem_bytes is not None and mem > kind.shared_mem_bytes * (1 + 1e-12):
-        return False
-    return _layout_ok(kind, slice_counts)
-
-
-def enumerate_patterns(kind: DeviceKind, limit: int, *, maximal_only: bool = True) -> list[Pattern] | None:
-    """All (maximal) patterns of ``kind``, or None when there are more than ``limit``.
-
-    Maximal: no further item fits. Since adding a replica never lowers a throughput, an optimum
-    over maximal patterns is an optimum over all patterns.  The search also gives up (None) after
-    visiting ``20 * limit`` partial patterns.
-    """
-    items = kind.items
-    n_it = len(items)
-    units = np.array([kind.slice_units[it.slice_idx] for it in items], float)
-    util = np.array([it.utilization for it in items])
-    mem = np.array([it.mem_bytes for it in items])
-    shared = kind.shared_mem_bytes
-    out: list[Pattern] = []
-    counts: list[int] = [0] * n_it
-    slice_counts = [0] * len(kind.slice_sizes)
-    state = {"u": 0.0, "units": 0, "mem": 0.0, "n": 0, "visits": 0}
-
-    def fits_more(i: int) -> bool:
-        if state["n"] + 1 > kind.max_items or state["u"] + util[i] > kind.util_limit + 1e-9:
-            return False
-        if shared is not None and state["mem"] + mem[i] > shared * (1 + 1e-12):
-            return False
-        if kind.layouts is None:
-            return state["units"] + units[i] <= kind.capacity_units
-        slice_counts[items[i].slice_idx] += 1
-        ok = _layout_ok(kind, slice_counts)
-        slice_counts[items[i].slice_idx] -= 1
-        return ok
-
-    def maximal() -> bool:
-        room = (util <= kind.util_limit + 1e-9 - state["u"]) & (state["n"] < kind.max_items)
-        if shared is not None:
-            room &= mem <= shared * (1 + 1e-12) - state["mem"]
-        if kind.layouts is None:
-            room &= units <= kind.capacity_units - state["units"]
-            return not room.any()
-        return not any(fits_more(int(i)) for i in np.flatnonzero(room))
-
-    def add(i: int, sign: int) -> None:
-        counts[i] += sign
-        slice_counts[items[i].slice_idx] += sign
-        state["u"] += sign * util[i]
-        state["units"] += sign * int(units[i])
-        state["mem"] += sign * mem[i]
-        state["n"] += sign
-
-    def rec(j: int) -> bool:
-        state["visits"] += 1
-        if state["visits"] > 20 * limit:
-            return False
-        if j == n_it:
-            if state["n"] == 0 and maximal_only:
-                return True
-            if not maximal_only or maximal():
-                out.append(tuple((i, c) for i, c in enumerate(counts) if c))
-                if len(out) > limit:
-                    return False
-            return True
-        added = 0
-        ok = True
-        while True:
-            if not rec(j + 1):
-                ok = False
-                break
-            if not fits_more(j):
-                break
-            add(j, +1)
-            added += 1
-        for _ in range(added):
-            add(j, -1)
-        return ok
-
-    return out if rec(0) else None
-
-
-def _can_add(kind: DeviceKind, counts: dict[int, int], i: int) -> bool:
-    counts[i] = counts.get(i, 0) + 1
-    ok = pattern_fits(kind, counts)
-    counts[i] -= 1
-    if counts[i] == 0:
-        del counts[i]
-    return ok
-
-
-def _undominated(kind: DeviceKind, values: np.ndarray) -> np.ndarray:
-    """Items with positive value not dominated by another item of the same slice.
-
-    j dominates i when it uses no more utilization and memory and is worth at least as much; any
-    pattern using i stays valid with j instead, so pricing may ignore i.
-    """
-    pos = np.flatnonzero(values > 1e-12)
-    keep = []
-    by_slice: dict[int, list[int]] = {}
-    for i in pos:
-        by_slice.setdefault(kind.items[i].slice_idx, []).append(int(i))
-    for group in by_slice.values():
-        group.sort(key=lambda i: (kind.items[i].utilization, kind.items[i].mem_bytes, -values[i]))
-        front: list[int] = []
-        for i in group:
-            it = kind.items[i]
-            if any(values[j] >= values[i] and kind.items[j].mem_bytes <= it.mem_bytes for j in front):
-                continue
-            front.append(i)
-        keep.extend(front)
-    return np.array(sorted(keep), int)
-
-
-def _dp_price(kind: DeviceKind, values: np.ndarray, *, grid: int, optimistic: bool) -> tuple[float, Pattern] | None:
-    """Unbounded 2-D knapsack by dynamic programming: exact over slice units, the second resource
-    (utilization on GPU, host memory on CPU) on a grid of ``grid`` steps.
-
-    Item weights are rounded up (every pattern found fits) or, with ``optimistic``, down (the value
-    is an upper bound of the exact pricing problem; no pattern is returned).  None when the kind
-    needs the MILP (explicit layouts, or both utilization and shared memory binding).
-    """
-    if kind.layouts is not None:
-        return None
-    use = _undominated(kind, values)
-    if use.size == 0:
-        return 0.0, ()
-    if kind.shared_mem_bytes is None:
-        res = np.array([kind.items[i].utilization for i in use]) / kind.util_limit
-    else:
-        # the DP drops utilization: only valid when it cannot bind (CPU: util = threads / cores)
-        dens = max(kind.items[i].utilization / kind.slice_units[kind.items[i].slice_idx] for i in use)
-        if dens * kind.capacity_units > kind.util_limit + 1e-9:
-            return None
-        res = np.array([kind.items[i].mem_bytes for i in use]) / max(kind.shared_mem_bytes, 1.0)
-    w = np.floor(res * grid + 1e-9) if optimistic else np.ceil(res * grid - 1e-9)
-    w = np.maximum(w, 0).astype(int)
-    units = np.array([kind.slice_units[kind.items[i].slice_idx] for i in use], int)
-    vals = values[use]
-    cap = kind.capacity_units
-    dp = np.full((cap + 1, grid + 1), -np.inf)
-    dp[0, 0] = 0.0
-    choice = np.full((cap + 1, grid + 1), -1, int)
-    for m in range(cap):
-        row = dp[m]
-        if not np.isfinite(row).any():
-            continue
-        for j in np.flatnonzero(units <= cap - m):
-            wj = w[j]
-            if wj > grid:
-                continue
-            t = m + units[j]
-            cand = row[: grid + 1 - wj] + vals[j]
-            tgt = dp[t, wj:]
-            better = cand > tgt + 1e-12
-            if better.any():
-                tgt[better] = cand[better]
-                choice[t, wj:][better] = j
-    flat = int(np.argmax(dp))
-    best = float(dp.flat[flat])
-    if optimistic:
-        return best, ()
-    m, g = divmod(flat, grid + 1)
-    counts: dict[int, int] = {}
-    while m > 0 or g > 0:
-        j = choice[m, g]
-        if j < 0:
-            break
-        counts[int(use[j])] = counts.get(int(use[j]), 0) + 1
-        m -= units[j]
-        g -= w[j]
-    pat = tuple(sorted(counts.items()))
-    if not pattern_fits(kind, counts):  # e.g. max_items binds: let the MILP decide
-        return None
-    return best, pat
-
-
-def price_pattern(kind: DeviceKind, values: np.ndarray, *, time_limit_s: float | None = None,
-                  with_bound: bool = False):
-    """The pattern of ``kind`` with the largest total item value (a small knapsack MILP, exact).
-
-    ``values[i]`` is item i's value; items with value <= 0 are left out.  Returns
-    ``(value, pattern)``, or ``(value, pattern, upper bound)`` with ``with_bound`` (the bound is
-    the value unless ``time_limit_s`` stopped the search).
-    """
-    use = _undominated(kind, values)
-    if use.size == 0:
-        return (0.0, (), 0.0) if with_bound else (0.0, ())
-    items = [kind.items[i] for i in use]
-    n_it = len(items)
-    rows: list[np.ndarray] = []
-    ub: list[float] = []
-    n_lay = 0 if kind.layouts is None else len(kind.layouts)
-    width = n_it + n_lay
-
-    def row(vals: np.ndarray, bound: float) -> None:
-        r = np.zeros(width)
-        r[: len(vals)] = vals
-        rows.append(r)
-        ub.append(bound)
-
-    row(np.array([it.utilization for it in items]), kind.util_limit + 1e-9)
-    row(np.ones(n_it), kind.max_items)
-    if kind.shared_mem_bytes is not None:
-        row(np.array([it.mem_bytes for it in items]) / max(kind.shared_mem_bytes, 1.0), 1.0 + 1e-12)
-    if kind.layouts is None:
-        row(np.array([kind.slice_units[it.slice_idx] for it in items], float), kind.capacity_units)
-    else:
-        for s in range(len(kind.slice_sizes)):
-            r = np.zeros(width)
-            r[:n_it] = [1.0 if it.slice_idx == s else 0.0 for it in items]
-            r[n_it:] = [-lay[s] for lay in kind.layouts]
-            rows.append(r)
-            ub.append(0.0)
-        r = np.zeros(width)
-        r[n_it:] = 1.0
-        rows.append(r)
-        ub.append(1.0)
-    c = np.zeros(width)
-    c[:n_it] = -values[use]
-    ubx = np.full(width, float(kind.max_items))
-    ubx[n_it:] = 1.0
-    res = milp(
-        c,
-        integrality=np.ones(width),
-        bounds=(np.zeros(width), ubx),
-        constraints=LinearConstraint(np.array(rows), -np.inf, np.array(ub)),
-        options={"mip_rel_gap": 1e-7, **({"time_limit": time_limit_s} if time_limit_s else {})},
-    )
-    if res.x is None:  # pragma: no cover - the empty pattern is always feasible
-        return (0.0, (), math.inf) if with_bound else (0.0, ())
-    upper = -float(getattr(res, "mip_dual_bound", None) or res.fun) if res.status != 0 else -float(res.fun)
-    cnt = np.round(res.x[:n_it]).astype(int)
-    pat = tuple((int(use[j]), int(cnt[j])) for j in range(n_it) if cnt[j] > 0)
-    if not pattern_fits(kind, dict(pat)):  # rounding safety: drop items until it fits
-        d = dict(pat)
-        while d and not pattern_fits(kind, d):
-            j = min(d, key=lambda i: values[i])
-            d[j] -= 1
-            if d[j] == 0:
-                del d[j]
-        pat = tuple(sorted(d.items()))
-    val = float(sum(values[i] * k for i, k in pat))
-    return (val, pat, max(val, upper)) if with_bound else (val, pat)
-
-
-# ------------------------------------------------------------------------------------ leximin stages
+# ------------------------------------------------------------------------------------------ patterns# ------------------------------------------------------------------------------------ leximin stages
 @dataclass(slots=True)
 class _Base:
     """A MILP over variables z: base rows A z <= b, bounds, y = Y z (normalised), replicas R z."""
@@ -419,43 +117,47 @@ class _Base:
     R: sp.csr_matrix  # n_comp x N0
 
 
-def _stage(base: _Base, k: int, fixed: Sequence[float], *, slack: float | None):
-    """Matrices of leximin stage k: variables [z, r_1..r_k, d_1..d_k (n_act each), (s)]."""
+def _stage(base: _Base, k: int, fixed: Mapping[int, float], *, slack: float | None):
+    """Matrices of leximin stage k (maximise the sum of the k smallest y) with ``fixed`` stages.
+
+    ``fixed`` maps j -> S_j, the sum of the j smallest already reached.  Variables:
+    ``[z, r_j for j in ks, d_j (n_act each) for j in ks, (slack s)]`` with ``ks = sorted(fixed) + [k]``.
+    """
+    ks = [*sorted(fixed), k]
+    m = len(ks)
     n0 = base.A.shape[1]
     na = base.Y.shape[0]
     nc = base.R.shape[0]
     ns = nc if slack is not None else 0
-    nv = n0 + k + k * na + ns
-    blocks = []
-    # base rows
-    blocks.append(sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], nv - n0))]))
+    nv = n0 + m + m * na + ns
+    blocks = [sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], nv - n0))])]
     # r_j - Y z - d_jc <= 0
-    for j in range(k):
-        rj = sp.csr_matrix((np.ones(na), (np.arange(na), np.full(na, j))), shape=(na, k))
-        dj = sp.csr_matrix((-np.ones(na), (np.arange(na), j * na + np.arange(na))), shape=(na, k * na))
+    for t in range(m):
+        rj = sp.csr_matrix((np.ones(na), (np.arange(na), np.full(na, t))), shape=(na, m))
+        dj = sp.csr_matrix((-np.ones(na), (np.arange(na), t * na + np.arange(na))), shape=(na, m * na))
         blocks.append(sp.hstack([-base.Y, rj, dj, sp.csr_matrix((na, ns))]))
-    b_parts = [base.b, np.zeros(k * na)]
-    # -(j r_j - sum d_j) <= -S_j  for fixed stages
-    for j in range(k - 1):
+    b_parts = [base.b, np.zeros(m * na)]
+    # -(j r_j - sum d_j) <= -S_j  for the fixed stages
+    for t, j in enumerate(ks[:-1]):
         r = np.zeros(nv)
-        r[n0 + j] = -(j + 1)
-        r[n0 + k + j * na : n0 + k + (j + 1) * na] = 1.0
+        r[n0 + t] = -j
+        r[n0 + m + t * na : n0 + m + (t + 1) * na] = 1.0
         blocks.append(sp.csr_matrix(r))
         b_parts.append(np.array([-fixed[j]]))
     # replicas: -R z (- s) <= -1
     sblock = -sp.identity(nc, format="csr") if ns else sp.csr_matrix((nc, 0))
-    blocks.append(sp.hstack([-base.R, sp.csr_matrix((nc, k + k * na)), sblock]))
+    blocks.append(sp.hstack([-base.R, sp.csr_matrix((nc, m + m * na)), sblock]))
     b_parts.append(-np.ones(nc))
     A = sp.vstack(blocks, format="csr")
     b = np.concatenate(b_parts)
     c = np.zeros(nv)
-    c[n0 + k - 1] = -k
-    c[n0 + k + (k - 1) * na : n0 + k + k * na] = 1.0
+    c[n0 + m - 1] = -k
+    c[n0 + m + (m - 1) * na : n0 + m + m * na] = 1.0
     if ns:
-        c[n0 + k + k * na :] = slack
-    lb = np.concatenate([base.lb, np.zeros(k + k * na + ns)])
-    ub = np.concatenate([base.ub, np.full(k + k * na + ns, np.inf)])
-    rows = {"base": (0, base.A.shape[0]), "d": (base.A.shape[0], base.A.shape[0] + k * na)}
+        c[n0 + m + m * na :] = slack
+    lb = np.concatenate([base.lb, np.zeros(m + m * na + ns)])
+    ub = np.concatenate([base.ub, np.full(m + m * na + ns, np.inf)])
+    rows = {"base": (0, base.A.shape[0]), "d": (base.A.shape[0], base.A.shape[0] + m * na), "m": (m, m)}
     rows["rep"] = (A.shape[0] - nc, A.shape[0])
     return c, A, b, lb, ub, rows
 
@@ -475,7 +177,7 @@ def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float) -> dict:
     return {}
 
 
-def _solve_milp(base: _Base, k: int, fixed: Sequence[float], solver: str, time_limit_s: float,
+def _solve_milp(base: _Base, k: int, fixed: Mapping[int, float], solver: str, time_limit_s: float,
                 mip_rel_gap: float, extra: dict | None = None) -> tuple[np.ndarray | None, str, float]:
     """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf).
 
@@ -528,7 +230,7 @@ def _dual_bound(prob) -> float:
     return -v if math.isfinite(v) else math.inf
 
 
-def _feasible(base: _Base, z: np.ndarray, k: int, fixed: Sequence[float]) -> bool:
+def _feasible(base: _Base, z: np.ndarray, k: int, fixed: Mapping[int, float]) -> bool:
     if np.any(z < base.lb - 1e-6) or np.any(z > base.ub + 1e-6):
         return False
     if np.any(base.A @ z > base.b + 1e-6 * np.maximum(1.0, np.abs(base.b))):
@@ -536,7 +238,7 @@ def _feasible(base: _Base, z: np.ndarray, k: int, fixed: Sequence[float]) -> boo
     if np.any(base.R @ z < 1 - 1e-6):
         return False
     y = base.Y @ z
-    return all(_sum_smallest(y, j + 1) >= f - 1e-6 * max(1.0, abs(f)) for j, f in enumerate(fixed[: k - 1]))
+    return all(_sum_smallest(y, j) >= f - 1e-6 * max(1.0, abs(f)) for j, f in fixed.items())
 
 
 def _leximin(
@@ -550,28 +252,42 @@ def _leximin(
     before_stage: Callable[[int, list[float]], float] | None = None,
     n_patterns: Callable[[], int] = lambda: 0,
     stage_time_limit_s: float = math.inf,
+    complete: bool = True,
+    levels: int | None = None,
 ) -> tuple[np.ndarray, list[StageInfo], bool]:
-    """Run the leximin stages; ``before_stage(k, fixed)`` may grow the pool and returns an LP bound."""
+    """Run the leximin stages; ``before_stage(k, fixed)`` may grow the pool and returns an LP bound.
+
+    ``levels``: solve stages 1..levels exactly, then one last stage (the total) with those fixed;
+    None solves every stage (exact leximin).
+    """
     na = len(instance.active)
-    fixed: list[float] = []
+    fixed: dict[int, float] = {}
     stages: list[StageInfo] = []
     t0 = time.perf_counter()
     z_best: np.ndarray | None = None
     hit = False
-    for k in range(1, na + 1):
-        if k > 1 and time.perf_counter() - t0 > time_limit_s:
+    m = na if levels is None else max(1, min(int(levels), na))
+    seq = list(range(1, m + 1)) + ([na] if m < na else [])
+    for pos, k in enumerate(seq):
+        if pos and time.perf_counter() - t0 > time_limit_s:
             hit = True
             break
         bound = before_stage(k, fixed) if before_stage else math.inf
         base = base_fn()
         left = time_limit_s - (time.perf_counter() - t0)
         # share what is left over the remaining stages, the earlier ones getting more
-        budget = max(0.1, min(stage_time_limit_s, left * 2 / (na - k + 2)))
+        budget = max(0.1, min(stage_time_limit_s, left * 2 / (len(seq) - pos + 1)))
+        ts = time.perf_counter()
         if z_best is not None:
             z_best = _pad(z_best, base)
-        ts = time.perf_counter()
+            have = _sum_smallest(base.Y @ z_best, k)
+            if have >= bound * (1 - mip_rel_gap):  # the last solution already reaches the LP bound
+                stages.append(StageInfo(k, have, bound, "optimal", time.perf_counter() - ts, n_patterns()))
+                fixed[k] = have - tol * max(1.0, abs(have))
+                continue
         z, status, upper = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap)
-        bound = min(bound, upper)
+        if complete:  # the solver's bound covers every pattern only when the pool has them all
+            bound = min(bound, upper)
         if z is None:
             if z_best is None:
                 raise _Infeasible(status)
@@ -581,7 +297,7 @@ def _leximin(
         z_best = z
         val = _sum_smallest(base.Y @ z, k)
         stages.append(StageInfo(k, val, bound, status, time.perf_counter() - ts, n_patterns()))
-        fixed.append(val - tol * max(1.0, abs(val)))
+        fixed[k] = val - tol * max(1.0, abs(val))
     assert z_best is not None
     return z_best, stages, hit
 
@@ -623,7 +339,9 @@ def _seed_pool(instance: Instance) -> list[list[Pattern]]:
         for c in range(instance.n_comp):
             v = np.array([it.throughput_rps if it.comp == c else 0.0 for it in kind.items])
             if v.any():
-                _, pat = price_pattern(kind, v / max(v.max(), 1e-12))
+                v = v / max(v.max(), 1e-12)
+                fast = _dp_price(kind, v, grid=_GRID, optimistic=False)
+                _, pat = fast if fast is not None else price_pattern(kind, v)
                 if pat and pat not in pool:
                     pool.append(pat)
         # one replica of every component, if that fits: keeps small instances feasible
@@ -653,6 +371,7 @@ def solve_patterns(
     max_patterns: int = 5000,
     max_cg_iters: int = 200,
     stage_time_limit_s: float = math.inf,
+    levels: int | None = None,
 ) -> Solution:
     """Leximin over packing patterns (enumerated, or generated by column generation).
 
@@ -678,7 +397,7 @@ def solve_patterns(
     seen = set(cols)
     notes: list[str] = []
 
-    def grow(k: int, fixed: list[float]) -> float:
+    def grow(k: int, fixed: Mapping[int, float]) -> float:
         if used == "enumerate":
             return _lp_bound(_pattern_base(instance, cols), k, fixed)
         return _column_generation(instance, cols, seen, k, fixed, max_patterns, max_cg_iters, notes)
@@ -686,7 +405,7 @@ def solve_patterns(
     z, stages, hit = _leximin(
         instance, lambda: _pattern_base(instance, cols), solver=solver, time_limit_s=time_limit_s,
         mip_rel_gap=mip_rel_gap, tol=tol, before_stage=grow, n_patterns=lambda: len(cols),
-        stage_time_limit_s=stage_time_limit_s,
+        stage_time_limit_s=stage_time_limit_s, complete=used == "enumerate", levels=levels,
     )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     for j, (kk, pat) in enumerate(cols):
@@ -709,26 +428,26 @@ def _throughputs(instance: Instance, chosen: Sequence[Sequence[tuple[Pattern, in
     return tuple(thr)
 
 
-def _lp(base: _Base, k: int, fixed: Sequence[float], slack: float):
+def _lp(base: _Base, k: int, fixed: Mapping[int, float], slack: float):
     c, A, b, lb, ub, rows = _stage(base, k, fixed, slack=slack)
     res = linprog(c, A_ub=A, b_ub=b, bounds=np.column_stack([lb, ub]), method="highs")
     return res, rows
 
 
-def _lp_bound(base: _Base, k: int, fixed: Sequence[float]) -> float:
+def _lp_bound(base: _Base, k: int, fixed: Mapping[int, float]) -> float:
     res, _ = _lp(base, k, fixed, slack=1e6)
     return -float(res.fun) if res.status == 0 else math.inf
 
 
 def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen: set[tuple[int, Pattern]], k: int,
-                       fixed: list[float], max_patterns: int, max_iters: int, notes: list[str]) -> float:
+                       fixed: Mapping[int, float], max_patterns: int, max_iters: int, notes: list[str]) -> float:
     """Grow the pools until the stage-k LP has no improving pattern; return an upper bound."""
     active = instance.active
     na = len(active)
     scale = max((it.throughput_rps for kd in instance.kinds for it in kd.items), default=1.0)
     slack = 1e3 * scale * max(1, na)
     bound = math.inf
-    exact_tries = 1
+    exact_tries = 1 if k == 1 else 0  # exact pricing is slow: only to tighten stage 1's bound
     for _ in range(max_iters):
         base = _pattern_base(instance, cols)
         res, rows = _lp(base, k, fixed, slack)
@@ -737,7 +456,7 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
             return math.inf
         lam = res.ineqlin.marginals  # <= 0
         d0, d1 = rows["d"]
-        lam_d = -lam[d0:d1].reshape(k, na).sum(axis=0)  # >= 0, per active component
+        lam_d = -lam[d0:d1].reshape(-1, na).sum(axis=0)  # >= 0, per active component
         r0, r1 = rows["rep"]
         beta = -lam[r0:r1]
         mu = -lam[rows["base"][0] : rows["base"][1]]
@@ -765,7 +484,11 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
                 notes.append(f"stage {k}: pattern pool reached max_patterns={max_patterns}")
                 return bound
             continue
-        # converged for the conservative pricing: bound each kind's best reduced cost from above
+        # converged for the conservative pricing.  Stage 1 (the one that matters most, and
+        # whose gap we report first) bounds each kind's best reduced cost from above; later
+        # stages report the LP value over the pool (utilization on the pricing grid).
+        if k > 1 and not any(exact):
+            return lp_val
         for kk, kind in enumerate(instance.kinds):
             if exact[kk]:
                 ub = price_pattern(kind, vals_of[kk])[0]
@@ -788,111 +511,3 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
             return bound
     notes.append(f"stage {k}: column generation stopped after {max_iters} iterations")
     return bound
-
-
-# -------------------------------------------------------------------------- per-device reference
-def solve_per_device(instance: Instance, *, solver: str = "HIGHS", time_limit_s: float = 60.0,
-                     mip_rel_gap: float = 1e-6, tol: float = 1e-6) -> Solution:
-    """Reference formulation: integer replica counts per device and item (small instances only)."""
-    t0 = time.perf_counter()
-    active = instance.active
-    var_kind: list[tuple[int, int, int]] = []  # (kind, device, item) ; item -1 -> layout binaries
-    rows: list[dict[int, float]] = []
-    rhs: list[float] = []
-    ub: list[float] = []
-    for kk, kind in enumerate(instance.kinds):
-        for dev in range(kind.count):
-            first = len(var_kind)
-            for i in range(len(kind.items)):
-                var_kind.append((kk, dev, i))
-                ub.append(kind.max_items)
-            its = range(first, first + len(kind.items))
-            rows.append({v: kind.items[v - first].utilization for v in its})
-            rhs.append(kind.util_limit + 1e-9)
-            rows.append(dict.fromkeys(its, 1.0))
-            rhs.append(kind.max_items)
-            if kind.shared_mem_bytes is not None:
-                rows.append({v: kind.items[v - first].mem_bytes / kind.shared_mem_bytes for v in its})
-                rhs.append(1.0 + 1e-12)
-            if kind.layouts is None:
-                rows.append({v: kind.slice_units[kind.items[v - first].slice_idx] for v in its})
-                rhs.append(kind.capacity_units)
-            else:
-                lay0 = len(var_kind)
-                for li in range(len(kind.layouts)):
-                    var_kind.append((kk, dev, -1 - li))
-                    ub.append(1.0)
-                for s in range(len(kind.slice_sizes)):
-                    r = {v: 1.0 for v in its if kind.items[v - first].slice_idx == s}
-                    r.update({lay0 + li: -lay[s] for li, lay in enumerate(kind.layouts)})
-                    rows.append(r)
-                    rhs.append(0.0)
-                rows.append({lay0 + li: 1.0 for li in range(len(kind.layouts))})
-                rhs.append(1.0)
-    n = len(var_kind)
-    A = sp.lil_matrix((len(rows), n))
-    for ri, r in enumerate(rows):
-        for v, a in r.items():
-            A[ri, v] = a
-    Y = sp.lil_matrix((len(active), n))
-    R = sp.lil_matrix((instance.n_comp, n))
-    for v, (kk, _dev, i) in enumerate(var_kind):
-        if i < 0:
-            continue
-        it = instance.kinds[kk].items[i]
-        R[it.comp, v] = 1.0
-        if instance.weights[it.comp] > 0:
-            Y[active.index(it.comp), v] = it.throughput_rps / instance.weights[it.comp]
-    base = _Base(A.tocsr(), np.array(rhs), np.zeros(n), np.array(ub, float), np.ones(n, bool),
-                 Y.tocsr(), R.tocsr())
-    z, stages, hit = _leximin(instance, lambda: base, solver=solver, time_limit_s=time_limit_s,
-                              mip_rel_gap=mip_rel_gap, tol=tol)
-    chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
-    per_dev: dict[tuple[int, int], dict[int, int]] = {}
-    for v, (kk, dev, i) in enumerate(var_kind):
-        if i >= 0 and z[v] > 0.5:
-            per_dev.setdefault((kk, dev), {})[i] = round(z[v])
-    for (kk, _dev), cnts in sorted(per_dev.items()):
-        chosen[kk].append((tuple(sorted(cnts.items())), 1))
-    return Solution(chosen=tuple(tuple(c) for c in chosen), throughput_rps=_throughputs(instance, chosen),
-                    stages=tuple(stages), mode="per-device", solver=solver,
-                    solve_s=time.perf_counter() - t0, n_patterns=0, time_limit_hit=hit)
-
-
-# ------------------------------------------------------------------------------------- brute force
-def leximin_key(instance: Instance, thr: Sequence[float]) -> tuple[float, ...]:
-    """Sorted normalised throughputs of the active components (compare lexicographically)."""
-    return tuple(sorted(thr[c] / instance.weights[c] for c in instance.active))
-
-
-def brute_force_leximin(instance: Instance, *, limit: int = 200_000) -> tuple[float, ...]:
-    """The leximin-optimal sorted vector by trying every assignment of patterns to devices.
-
-    Only for tiny instances (tests). Raises ValueError beyond ``limit`` combinations.
-    """
-    per_kind: list[list[tuple[tuple[Pattern, int], ...]]] = []
-    total = 1
-    for kind in instance.kinds:
-        pats = enumerate_patterns(kind, limit, maximal_only=False)
-        if pats is None:
-            raise ValueError("too many patterns for brute force")
-        combos = list(itertools.combinations_with_replacement(range(len(pats)), kind.count))
-        total *= len(combos)
-        if total > limit:
-            raise ValueError(f"more than {limit} combinations for brute force")
-        per_kind.append([tuple((pats[i], 1) for i in combo) for combo in combos])
-    best: tuple[float, ...] | None = None
-    for choice in itertools.product(*per_kind):
-        reps = [0] * instance.n_comp
-        for kind, ch in zip(instance.kinds, choice, strict=True):
-            for pat, _ in ch:
-                for i, cnt in pat:
-                    reps[kind.items[i].comp] += cnt
-        if min(reps) < 1:
-            continue
-        key = leximin_key(instance, _throughputs(instance, choice))
-        if best is None or key > best:
-            best = key
-    if best is None:
-        raise ValueError("no assignment gives every component a replica")
-    return best

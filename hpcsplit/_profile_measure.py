@@ -1,13 +1,17 @@
-"""Measuring one profile cell: latency, peak memory, utilization (used by ``profiling.py``).
+"""Measuring one profile cell, and the process around it (used by ``profiling.py``).
+
+Latency, peak memory and utilization of one cell; slices; component placement on the GPU;
+the device attributes of the file; SIGTERM/SIGUSR2 handling.
 
 [Note: profile measurement]
 - Latency: CUDA events around each timed run on GPU (synchronised once at the end),
   ``time.perf_counter`` on CPU.  ``warmup`` untimed runs come first.
-- Peak memory: on GPU ``torch.cuda.max_memory_allocated`` over the timed runs (parameters,
-  inputs and activations; allocator cache and CUDA context excluded).  On CPU there is no
-  allocator statistic, so one extra untimed run is traced with a ``TorchDispatchMode`` that
-  adds up the bytes of the storages the ops allocate while they are alive; the figure is
-  parameters + inputs + that peak (workspaces inside kernels and malloc caching excluded).
+- Peak memory = parameters + inputs + the activation peak.  On GPU the activation peak is
+  ``torch.cuda.max_memory_allocated`` over the timed runs minus ``memory_allocated`` before
+  them (allocator cache and CUDA context excluded).  On CPU there is no allocator statistic,
+  so one extra untimed run is traced with a ``TorchDispatchMode`` that adds up the bytes of
+  the storages the ops allocate while they are alive (kernel workspaces, malloc caching
+  excluded).
 - Utilization: on GPU the mean NVML ``utilization.gpu`` sampled by a background thread
   during a steady window of back-to-back runs (``util_window_ms``), NaN without NVML.  On
   CPU, per the profile contract, ``threads / cores_per_node``; the measured process CPU
@@ -216,8 +220,10 @@ def measure_callable(
         with torch.no_grad():
             for _ in range(warmup):
                 out = fn(*inputs)
+            out = None
             if dev.type == "cuda":
-                lat, peak, util, out = _time_cuda(fn, inputs, dev, iters, util_window_ms, util_sample_ms)
+                lat, act_peak, util, out = _time_cuda(fn, inputs, dev, iters, util_window_ms, util_sample_ms)
+                peak = float(param_bytes + in_bytes + act_peak)
                 busy = math.nan
             else:
                 lat, busy, out = _time_cpu(fn, inputs, iters, threads or torch.get_num_threads())
@@ -231,10 +237,7 @@ def measure_callable(
     except Exception as e:
         if not _is_oom(e):
             raise
-        if dev.type == "cuda":
-            peak = float(torch.cuda.max_memory_allocated(dev))
-        else:
-            peak = math.nan
+        peak = math.nan
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -271,6 +274,7 @@ def _time_cuda(
 
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)  # parameters, inputs and anything else resident
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     out = None
     for start, end in ev:
@@ -279,7 +283,7 @@ def _time_cuda(
         end.record()
     torch.cuda.synchronize(dev)
     lat = [start.elapsed_time(end) for start, end in ev]
-    peak = float(torch.cuda.max_memory_allocated(dev))
+    act_peak = float(torch.cuda.max_memory_allocated(dev) - before)
     util = math.nan
     if util_window_ms > 0:
         sampler = _NvmlSampler(dev.index or 0, util_sample_ms)
@@ -289,7 +293,7 @@ def _time_cuda(
                 out = fn(*inputs)
                 torch.cuda.synchronize(dev)
         util = sampler.mean_fraction()
-    return lat, peak, util, out
+    return lat, act_peak, util, out
 
 
 def apply_slice(kind: str, slice_value: float, dev: Any) -> None:
@@ -344,7 +348,10 @@ def device_meta(kind: str, dev: Any) -> dict[str, Any]:
             "limited. Hard limits only come from MIG (mig_device) or MPS (mps_* attributes)."
         )
         info["latency_timer"] = "cuda_events"
-        info["peak_mem_method"] = "torch.cuda.max_memory_allocated over the timed runs"
+        info["peak_mem_method"] = (
+            "param_bytes + input bytes + (torch.cuda.max_memory_allocated over the timed runs - "
+            "memory_allocated before them)"
+        )
         info["utilization_method"] = "NVML utilization.gpu mean over a steady window (NaN without NVML)"
     else:
         info["device_name"] = _cpu_name()
@@ -373,32 +380,35 @@ def _cpu_name() -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
-def load_on_device(sb: Any, name: str, dev: Any) -> Callable[..., Any]:
-    """``sb.load_component(name)`` on ``dev``.
+def load_on_device(sb: Any, name: str, dev: Any) -> tuple[Callable[..., Any], Callable[[], None]]:
+    """``sb.load_component(name)`` on ``dev``; returns ``(fn, release)``.
 
     On GPU: ``load_component(name, device=...)`` when the switchboard supports it, else the
-    returned callable's ``.to(dev)``, else the modules it closes over are moved in place.
+    returned module's ``.to(dev)``, else the modules the callable closes over are moved in
+    place.  ``release()`` moves what we moved back to the CPU, so that the next component's
+    memory figures and slice cap do not include this one's parameters.
     """
     if getattr(dev, "type", "cpu") != "cuda":
-        return sb.load_component(name)
+        return sb.load_component(name), lambda: None
     import inspect
 
     import torch
 
     try:
         if "device" in inspect.signature(sb.load_component).parameters:
-            return sb.load_component(name, device=dev)
+            return sb.load_component(name, device=dev), torch.cuda.empty_cache
     except (TypeError, ValueError):
         pass
     fn = sb.load_component(name)
     if isinstance(fn, torch.nn.Module):
-        return fn.to(dev)
-    held = [v for v in (getattr(fn, "__defaults__", None) or ()) if isinstance(v, torch.nn.Module)]
-    held += [
-        c.cell_contents
-        for c in (getattr(fn, "__closure__", None) or ())
-        if isinstance(getattr(c, "cell_contents", None), torch.nn.Module)
-    ]
+        held = [fn]
+    else:
+        held = [v for v in (getattr(fn, "__defaults__", None) or ()) if isinstance(v, torch.nn.Module)]
+        held += [
+            c.cell_contents
+            for c in (getattr(fn, "__closure__", None) or ())
+            if isinstance(getattr(c, "cell_contents", None), torch.nn.Module)
+        ]
     if not held:
         raise ProfileError(
             f"component {name!r}: cannot move it to {dev}: load_component returned a {type(fn).__name__} "
@@ -406,7 +416,13 @@ def load_on_device(sb: Any, name: str, dev: Any) -> Callable[..., Any]:
         )
     for m in held:
         m.to(dev)
-    return fn
+
+    def release() -> None:
+        for m in held:
+            m.to("cpu")
+        torch.cuda.empty_cache()
+
+    return fn, release
 
 
 class StopOnSignal:

@@ -390,7 +390,9 @@ def wait_for_job(
                 )
             time.sleep(interval)
             interval = min(poll_max_s, max(poll_s, (time.monotonic() - t0) / 10))
-    except KeyboardInterrupt:
+    except LaunchError:
+        raise
+    except BaseException:  # Ctrl-C, a test timeout, a failing poll: never leave the job behind
         _scancel(job.job_id)
         echo(f"[hpcsplit] interrupted: cancelled job {job.job_id}")
         raise

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
     "solver": "HIGHS",
-    "time_limit_s": 60.0,
+    "time_limit_s": 30.0,
     "mip_rel_gap": 1e-4,
     "leximin_tol": 1e-6,
     "slo_ms": None,
@@ -52,7 +52,8 @@ DEFAULTS: dict[str, Any] = {
     "enumerate_limit": 3000,
     "max_patterns": 5000,
     "max_cg_iters": 200,
-    "stage_time_limit_s": 2.0,
+    "stage_time_limit_s": 1.0,
+    "leximin_levels": None,
 }
 
 
@@ -307,8 +308,11 @@ def _options(comps: Mapping[str, Any], cluster: ClusterSpec, o: dict[str, Any]) 
 def _no_slice_message(name: str, cp: Any, cluster: ClusterSpec, unit: str) -> str:
     meas = np.asarray(cp.measured, bool) & ~np.asarray(cp.oom, bool)
     if not meas.any():
-        return (f"component {name!r} fits no slice: the profile has no measured cell without out-of-memory "
-                f"(slices {list(cp.slices)} {unit}); profile it with larger slices or smaller batches")
+        big = max(cp.slices) if cp.slices else 0
+        return (f"component {name!r} fits no slice: it ran out of memory at every profiled batch size (smallest "
+                f"{min(cp.batch_sizes)}) even in the largest profiled slice ({big:g} {unit}; parameters "
+                f"{cp.param_bytes / GIB:.2f} GB); add a larger slice to cluster.slices_gb (up to gpu_mem_gb = "
+                f"{cluster.gpu_mem_gb:g}) and profile it, or split the component further")
     mems = np.where(meas, np.nan_to_num(np.asarray(cp.peak_mem_bytes, float), nan=0.0), np.inf)
     need = float(mems.min()) / GIB
     have = list(cluster.slices_gb if cluster.is_gpu else cluster.cpu_threads)
@@ -492,9 +496,15 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
             instance, solver=o["solver"], time_limit_s=o["time_limit_s"], mip_rel_gap=float(o["mip_rel_gap"]),
             tol=float(o["leximin_tol"]), mode=o["mode"], enumerate_limit=int(o["enumerate_limit"]),
             max_patterns=int(o["max_patterns"]), max_cg_iters=int(o["max_cg_iters"]),
-            stage_time_limit_s=float(o["stage_time_limit_s"] or math.inf),
+            stage_time_limit_s=float(o["stage_time_limit_s"] or math.inf), levels=o["leximin_levels"],
         )
     except _P._Infeasible as e:
+        if "limit" in str(e):
+            raise AllocationError(
+                f"no placement found within the time limit (stage 1 status {e}); raise allocate.time_limit_s "
+                f"(now {o['time_limit_s']:g}) or allocate.stage_time_limit_s (now {o['stage_time_limit_s']}), "
+                "or try allocate.solver=SCIPY"
+            ) from e
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, str(e))) from e
     except Exception as e:  # cvxpy / scipy failures
         if e.__class__.__module__.startswith(("cvxpy", "scipy")):
@@ -544,7 +554,7 @@ def _to_allocation(plist: list[Any], cluster: ClusterSpec, table: Mapping[str, S
     lex = tuple(sorted(thr[c] / weights[c] for c in names if weights[c] > 0))
     meta = plist[0].meta
     solve = {
-        "solver": sol.solver, "mode": sol.mode, "solve_s": sol.solve_s, "total_s": elapsed, "gap": sol.gap,
+        "solver": sol.solver, "mode": sol.mode, "solve_s": sol.solve_s, "total_s": elapsed, "gap": sol.gap, "max_gap": sol.max_gap,
         "time_limit_hit": sol.time_limit_hit, "n_patterns": sol.n_patterns,
         "stages": [{"k": s.k, "value": s.value, "bound": s.bound if math.isfinite(s.bound) else None,
                     "status": s.status, "solve_s": s.solve_s} for s in sol.stages],

@@ -256,13 +256,13 @@ def _read_component(g: Any, name: str, path: Path) -> ComponentProfile:
     n_iter = int(g["iteration"].shape[0]) if "iteration" in g else int(g["latency_ms"].shape[2])
     arrays: dict[str, np.ndarray] = {}
     for ds, (axes, _dtype, _fill) in {**_GRID_DATASETS, **_BATCH_DATASETS}.items():
-        a = np.asarray(g[ds][()])
+        arr = np.asarray(g[ds][()])
         want = {"batch_size": len(bs), "slice": len(sl), "iteration": n_iter}
         shape = tuple(want[x] for x in axes)
-        if a.shape != shape:
-            problems.append(f"dataset {ds!r} has shape {a.shape}, expected {shape} (axes {axes})")
-        a.flags.writeable = False
-        arrays[ds] = a
+        if arr.shape != shape:
+            problems.append(f"dataset {ds!r} has shape {arr.shape}, expected {shape} (axes {axes})")
+        arr.flags.writeable = False
+        arrays[ds] = arr
     if problems:
         raise ProfileFormatError(f"{where}: {'; '.join(problems)}; the file is damaged: profile again.")
     return ComponentProfile(

@@ -302,7 +302,7 @@ def profile_components(
                 rows = sorted({(si) for (n, _b, si) in todo if n == name})
                 if not rows:
                     continue
-                fn = load_on_device(sb, name, dev)
+                fn, release = load_on_device(sb, name, dev)
                 pbytes = next(lay.param_bytes for lay in layouts if lay.name == name)
                 for si in rows:
                     apply_slice(kind, s.slices[si], dev)
@@ -320,12 +320,11 @@ def profile_components(
                                 oom_at = bi if oom_at is None else min(oom_at, bi)
                         n_done += 1
                         if progress:
-                            _progress(
-                                rank, n_done, n_total, t_start, name, s.batch_sizes[bi], s.slices[si], writer
-                            )
+                            _progress(rank, n_done, n_total, t_start, name, s.batch_sizes[bi], s.slices[si])
                     if stop.stopped:
                         break
                 del fn
+                release()
                 if stop.stopped:
                     interrupted = True
                     break
@@ -406,9 +405,7 @@ def _measure_cell(
     )
 
 
-def _progress(
-    rank: int, done: int, total: int, t0: float, name: str, b: int, sl: float, writer: ProfileWriter
-) -> None:
+def _progress(rank: int, done: int, total: int, t0: float, name: str, b: int, sl: float) -> None:
     el = time.perf_counter() - t0
     eta = el / done * (total - done) if done else math.nan
     print(
@@ -501,7 +498,7 @@ def profile_components_mpi(
     sb = _load_switchboard(switchboard)
     names = list(s.components or sb.components)
     layouts = _layouts(sb, names)
-    grid = {
+    grid: dict[str, Any] = {
         "meta": _meta(sb, s, dev, names),
         "components": layouts,
         "batch_sizes": s.batch_sizes,

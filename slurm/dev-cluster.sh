@@ -100,6 +100,31 @@ write_configs() {
         gres_types="GresTypes=gpu"
         files="$STATE/dev/nvidia[0-$(( NGPUS - 1 ))]"
     fi
+    # Job ids must never repeat, even after `down --purge`: MPICH names its shared-memory segments after
+    # the PMI job id, and a segment left by a killed rank of an earlier job with the same id makes
+    # MPI_Init spin forever. Start from the clock (used only when there is no saved state), and let the
+    # epilog remove segments that no process maps any more (real sites clean /dev/shm between jobs).
+    local first_job_id
+    first_job_id=$(sed -n 's/^FirstJobId=//p' "$ETC/slurm.conf" 2>/dev/null || true)
+    if [[ -z $first_job_id || ! -e $STATE/state/job_state ]]; then
+        first_job_id=$(( $(date +%s) % 60000000 + 1000 ))
+    fi
+    cat >"$STATE/epilog.sh" <<'EOS'
+#!/bin/bash
+# hpcsplit dev cluster epilog: remove MPICH shared-memory segments that no process maps any more.
+shopt -s nullglob
+segments=(/dev/shm/mpich_shm_*)
+(( ${#segments[@]} )) || exit 0
+in_use=$({
+    cat /proc/[0-9]*/maps 2>/dev/null | grep -o '/dev/shm/mpich_shm_[^ ]*'
+    find /proc/[0-9]*/fd -lname '/dev/shm/mpich_shm_*' -printf '%l\n' 2>/dev/null
+} | sort -u)
+for f in "${segments[@]}"; do
+    grep -qxF "$f" <<<"$in_use" || rm -f "$f"
+done
+exit 0
+EOS
+    chmod 755 "$STATE/epilog.sh"
     cat >"$ETC/slurm.conf.new" <<EOF
 $MARK
 ClusterName=$CLUSTER
@@ -117,6 +142,8 @@ SchedulerType=sched/backfill
 SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=3600
+FirstJobId=$first_job_id
+Epilog=$STATE/epilog.sh
 KillWait=5
 InactiveLimit=0
 SlurmctldPort=6817
@@ -135,7 +162,11 @@ $gres_types
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$NCPUS Sockets=1 CoresPerSocket=$NCPUS ThreadsPerCore=1 RealMemory=$mem_mb $gres_line State=UNKNOWN
 PartitionName=$PARTITION Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 EOF
-    mv "$ETC/slurm.conf.new" "$ETC/slurm.conf"
+    if cmp -s "$ETC/slurm.conf.new" "$ETC/slurm.conf"; then
+        rm -f "$ETC/slurm.conf.new"
+    else
+        mv "$ETC/slurm.conf.new" "$ETC/slurm.conf"
+    fi
     {
         echo "$MARK"
         echo "AutoDetect=off"

@@ -99,17 +99,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--mip-rel-gap", type=float, default=None)
     ap.add_argument("--mode", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--levels", type=int, default=None, help="leximin stages solved exactly (default: all)")
+    ap.add_argument("--stage-time-limit", type=float, default=None)
     a = ap.parse_args(argv)
     installed = set(cp.installed_solvers())
     solvers = [s for s in a.solvers.split(",") if s in installed]
     skipped = [s for s in a.solvers.split(",") if s not in installed]
-    print(f"allocate bench: 5 slice sizes (5..80 GB), util limit 1.0 per GPU, time limit {a.time_limit:g} s")
+    print(f"allocate bench: 5 slice sizes (5..80 GB), util limit 1.0 per GPU, time limit {a.time_limit:g} s, "
+          f"leximin stages {'all' if a.levels is None else a.levels}")
+    allocate(synthetic_profile(2, seed=99), synthetic_cluster(2), time_limit_s=5)  # imports, first-call costs
     if skipped:
         print(f"solvers not installed (skipped): {', '.join(skipped)}")
-    head = f"{'gpus':>5} {'comps':>5} {'solver':>6} {'mode':>9} {'time_s':>8} {'min_rps':>10} {'gap':>7} {'pats':>5} {'ranks':>6} note"
+    head = (f"{'gpus':>5} {'comps':>5} {'solver':>6} {'mode':>9} {'wall_s':>7} {'cpu_s':>7} {'min_rps':>10} "
+            f"{'gap':>7} {'pats':>5} {'ranks':>6} note")
     print(head)
     print("-" * len(head))
-    extra = {} if a.mip_rel_gap is None else {"mip_rel_gap": a.mip_rel_gap}
+    extra: dict[str, Any] = {} if a.mip_rel_gap is None else {"mip_rel_gap": a.mip_rel_gap}
+    if a.levels is not None:
+        extra["leximin_levels"] = a.levels
+    if a.stage_time_limit is not None:
+        extra["stage_time_limit_s"] = a.stage_time_limit
     for g in (int(x) for x in a.gpus.split(",")):
         for c in (int(x) for x in a.components.split(",")):
             prof = synthetic_profile(c, seed=a.seed + c)
@@ -117,17 +126,19 @@ def main(argv: list[str]) -> int:
             base: float | None = None
             for s in solvers:
                 t = time.perf_counter()
+                tc = time.process_time()
                 try:
                     al = allocate(prof, cl, solver=s, time_limit_s=a.time_limit, mode=a.mode, **extra)
                 except Exception as e:  # noqa: BLE001 - report and continue with the next case
                     print(f"{g:>5} {c:>5} {s:>6} {'-':>9} {time.perf_counter() - t:>8.2f} failed: {e}")
                     continue
                 dt = time.perf_counter() - t
+                dc = time.process_time() - tc
                 base = base or al.min_normalised_throughput
                 ratio = al.min_normalised_throughput / base if base else float("nan")
                 note = "TIME LIMIT" if al.solve["time_limit_hit"] else ""
                 if len(solvers) > 1 and s != solvers[0]:
                     note += f" min/{solvers[0]}={ratio:.4f}"
-                print(f"{g:>5} {c:>5} {s:>6} {al.solve['mode']:>9} {dt:>8.2f} {al.min_normalised_throughput:>10.1f} "
+                print(f"{g:>5} {c:>5} {s:>6} {al.solve['mode']:>9} {dt:>7.2f} {dc:>7.2f} {al.min_normalised_throughput:>10.1f} "
                       f"{al.solve['gap']:>7.2%} {al.solve['n_patterns']:>5} {len(al.replicas) + 1:>6} {note}", flush=True)
     return 0

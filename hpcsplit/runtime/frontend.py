@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hpcsplit.errors import RuntimeStageError
+from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.routing import INPUT, Dataflow, Router
@@ -75,8 +76,8 @@ class Frontend:
         self.df = dataflow
         self.router = Router(dataflow)
         self.tracer = tracer or Tracer(comm.Get_rank(), None, None)
-        self.inbox = tp.Inbox(comm)
-        self.outbox = tp.Outbox()
+        self.inbox = mb.Inbox(comm)
+        self.outbox = mb.Outbox()
         self.next_id = 0
         self._comp_index = {c.name: c.index for c in dataflow.components}
         self._entry = [(self._comp_index[c], pairs) for c, pairs in dataflow.entry_groups().items()]
@@ -125,7 +126,7 @@ class Frontend:
         self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, 0.0)
         inflight: dict[int, list[Any]] = {}  # idx -> [route, outputs, missing]
         keep = on_done is not None
-        backoff = tp.Backoff(deep_sleep_s=self.idle_sleep_s)
+        backoff = mb.Backoff(deep_sleep_s=self.idle_sleep_s)
         t0 = time.perf_counter()
         next_i = 0
         resolved = 0

@@ -64,8 +64,22 @@ def _tracer(ctx: Context, label: str) -> Tracer:
 
 # --------------------------------------------------------------------------------- component ranks
 def _load_callable(ctx: Context, variant: str, name: str) -> Any:
-    fn = ctx.sb.load_whole() if name == WHOLE else ctx.sb.load_component(name)
-    if getattr(ctx.device, "type", "cpu") == "cuda" and hasattr(fn, "to"):
+    """This rank's callable; on CUDA placed on the rank's device (the loader's ``device=`` or ``.to``)."""
+    import inspect
+
+    loader = ctx.sb.load_whole if name == WHOLE else ctx.sb.load_component
+    args = () if name == WHOLE else (name,)
+    on_gpu = getattr(ctx.device, "type", "cpu") == "cuda"
+    if on_gpu and "device" in inspect.signature(loader).parameters:
+        return loader(*args, device=ctx.device)
+    fn = loader(*args)
+    if on_gpu:
+        if not hasattr(fn, "to"):
+            raise RuntimeStageError(
+                f"rank {ctx.comm.Get_rank()}: the switchboard's loader returned a callable that cannot be "
+                f"moved to {ctx.device} (no device= argument, no .to); this hpcsplit cannot serve "
+                f"{name!r} on a GPU"
+            )
         fn = fn.to(ctx.device)
     return fn
 

@@ -29,7 +29,6 @@ import ctypes
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +46,8 @@ __all__ = [
     "KIND_STOP",
     "TAG_HEADER",
     "TAG_PAYLOAD",
-    "Backoff",
     "Header",
-    "Inbox",
     "Message",
-    "Outbox",
     "RecvHandle",
     "SendHandle",
     "TensorMeta",
@@ -537,100 +533,3 @@ def recv_message(comm: Any, source: int | None = None, device: torch.device | No
 
     wait_polling(_pay, spin_s=spin_s)
     return done[0]
-
-
-class Backoff:
-    """Idle policy of a rank loop: spin ``spin_s``, then sleep 20 us doubling to ``max_sleep_s``; after
-    ``deep_after_s`` without work the ceiling becomes ``deep_sleep_s``.
-
-    Call :meth:`reset` whenever the loop did work and :meth:`idle` when it found none.  A rank idle for
-    long wakes ``1 / deep_sleep_s`` times a second for an ``Iprobe`` instead of spinning a whole core in
-    MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives.
-    """
-
-    __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
-
-    def __init__(self, spin_s: float = 50e-6, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
-                 deep_after_s: float = 0.05) -> None:
-        self.spin_s, self.max_sleep_s = spin_s, max_sleep_s
-        self.deep_sleep_s, self.deep_after_s = max(deep_sleep_s, max_sleep_s), deep_after_s
-        self._since: float | None = None
-        self._sleep = 20e-6
-
-    def reset(self) -> None:
-        self._since = None
-        self._sleep = 20e-6
-
-    def idle(self, now: float, wake_at: float | None = None) -> None:
-        """Spin or sleep once; never past ``wake_at`` (a perf_counter time) if given."""
-        if self._since is None:
-            self._since = now
-        idle_for = now - self._since
-        if idle_for < self.spin_s:
-            return
-        s = self._sleep
-        if wake_at is not None:
-            s = min(s, max(0.0, wake_at - now))
-        if s > 0:
-            time.sleep(s)
-        ceiling = self.deep_sleep_s if idle_for > self.deep_after_s else self.max_sleep_s
-        self._sleep = min(self._sleep * 2, ceiling)
-
-
-class Inbox:
-    """Receives every incoming message without blocking: headers are matched, payloads posted and tested."""
-
-    def __init__(self, comm: Any, device: torch.device | None = None, max_new: int = 256) -> None:
-        self.comm, self.device, self.max_new = comm, device, max_new
-        self.pending: list[RecvHandle] = []
-
-    def poll(self) -> list[tuple[Message, float]]:
-        """Messages completed since the last call, with the time their header arrived."""
-        for _ in range(self.max_new):
-            h = poll_message(self.comm, self.device)
-            if h is None:
-                break
-            self.pending.append(h)
-        if not self.pending:
-            return []
-        done, still = [], []
-        for h in self.pending:
-            m = h.test()
-            if m is None:
-                still.append(h)
-            else:
-                done.append((m, h.t_start))
-        self.pending = still
-        return done
-
-
-class Outbox:
-    """Outstanding sends; :meth:`reap` drops the finished ones (their tensors may then be freed).
-
-    Sends finish roughly in the order they started, so :meth:`reap` tests from the oldest and stops
-    at the first unfinished one (a full sweep every 64 calls catches out-of-order completions).
-    """
-
-    def __init__(self) -> None:
-        self.pending: deque[SendHandle] = deque()
-        self._calls = 0
-
-    def add(self, h: SendHandle) -> None:
-        if not h.test():
-            self.pending.append(h)
-
-    def reap(self) -> int:
-        p = self.pending
-        while p and p[0].test():
-            p.popleft()
-        self._calls += 1
-        if len(p) > 1 and self._calls % 64 == 0:
-            self.pending = p = deque(h for h in p if not h.test())
-        return len(p)
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        def _all() -> bool:
-            self.pending = deque(h for h in self.pending if not h.test())
-            return not self.pending
-
-        return wait_polling(_all, timeout_s)

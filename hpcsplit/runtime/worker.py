@@ -171,6 +171,7 @@ def serve_component(
     """
     import torch
 
+    from hpcsplit.runtime import mailbox as mb
     from hpcsplit.runtime import transport as tp
     from hpcsplit.runtime.batching import Batcher, JoinBuffer, Row, stack_rows
     from hpcsplit.runtime.threads import cpu_seconds
@@ -183,9 +184,9 @@ def serve_component(
     groups = [(None if dst == OUTPUT else comp_index[dst], pairs) for dst, pairs in df.send_groups(name).items()]
     join = JoinBuffer(len(flow.inputs))
     batcher = Batcher(batch_size, max_wait_s)
-    inbox = tp.Inbox(comm, device)
-    outbox = tp.Outbox()
-    backoff = tp.Backoff(deep_sleep_s=idle_sleep_s)
+    inbox = mb.Inbox(comm, device)
+    outbox = mb.Outbox()
+    backoff = mb.Backoff(deep_sleep_s=idle_sleep_s)
     stats = {"rank": rank, "component": name, "batches": 0, "requests": 0, "compute_s": 0.0,
              "expired": 0, "max_batch": 0}
     t_start, cpu_start = time.perf_counter(), cpu_seconds()

@@ -26,10 +26,13 @@ pytestmark = [
 ]
 
 
-def _cli(tmp_path: Path, *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _cli(
+    tmp_path: Path, *overrides: str, multirun: bool = False, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    flags = ["-m"] if multirun else []  # Hydra's flags go before the overrides
     return subprocess.run(
-        [sys.executable, "-m", "hpcsplit", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        [sys.executable, "-m", "hpcsplit", *flags, f"hydra.run.dir={tmp_path / 'run'}", *overrides],
         check=False,
         cwd=tmp_path,  # not the repo: conf/ must be found from anywhere
         env=env,
@@ -97,11 +100,11 @@ def test_hydra_submitit_local_sweep_runs_main_per_point(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     res = _cli(
         tmp_path,
-        "-m",
         "hydra/launcher=local",
         "stage=probe",
         "launcher.ranks=1,2",
         f"hydra.sweep.dir={sweep}",
+        multirun=True,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     worlds = [

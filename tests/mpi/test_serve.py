@@ -131,6 +131,8 @@ def test_toy_batch_mode_equals_whole_model(tmp_path: Path, toy_sb: Path) -> None
     assert out["done"].all()
     np.testing.assert_allclose(out["output"], ref[0], rtol=1e-4, atol=1e-5)
     result = json.loads((tmp_path / "run" / "worker.mpi_main.result.json").read_text())
+    # OMP settings were applied before torch loaded OpenMP
+    assert "OMP_WAIT_POLICY=PASSIVE" in result["threads"] and "imported before" not in result["threads"]
     comp = [r for r in result["ranks"] if r["component"] == "stage_1"]
     assert sorted(r["rank"] for r in comp) == [2, 3]
     assert sum(r["requests"] for r in comp) >= 23  # both replicas share the work (+ the check requests)

@@ -46,6 +46,7 @@ def test_serve_under_srun_matches_whole_model(tmp_path: Path, in_repo: None) -> 
     }
     res = _slurm.run_mpi_slurm("hpcsplit.runtime.worker:mpi_main", cfg, tmp_path / "run", "serve", ranks=n)
     assert res["world_size"] == n
+    assert "OMP_WAIT_POLICY=PASSIVE" in res["threads"] and "imported before" not in res["threads"]
     assert res["variants"]["split"]["done"] == 9
     out = _read(tmp_path / "out.npz")
     assert out["done"].all()

@@ -69,6 +69,21 @@ def test_clip_output_structure_is_restored(tmp_path: Path) -> None:
     assert [t.name for t in sb.layout.outputs] == ["output_0", "output_1"]
 
 
+def test_raw_clip_model_with_keyword_inputs(tiny: torch.nn.Module, tmp_path: Path) -> None:
+    # kwargs in, a transformers ModelOutput out: the switchboard takes and returns the same
+    clip = tiny.clip
+    pv, ids, am = example_inputs("clip_tiny", 2, model=tiny)
+    kw = {"pixel_values": pv, "input_ids": ids, "attention_mask": am}
+    sb = hpcsplit.export(clip, (), kw, out=tmp_path / "sb", cost="flops", timing_repeats=1)
+    assert list(sb.order) == ["vision_model", "text_model", "head"]
+    got = sb(**kw)
+    with torch.no_grad():
+        want = clip(**kw)
+    assert type(got) is type(want)
+    torch.testing.assert_close(got.logits_per_image, want.logits_per_image)
+    torch.testing.assert_close(got.text_embeds, want.text_embeds)
+
+
 def test_clip_towers_cut_into_stages(tiny: torch.nn.Module, tmp_path: Path) -> None:
     # cuts inside the towers: pieces recompute the symbolic batch from their own inputs
     xs = example_inputs("clip_tiny", 2, model=tiny)

@@ -161,3 +161,14 @@ def test_experiments_are_global_packages(name: str) -> None:
     lines = (CONF / "experiment" / f"{name}.yaml").read_text().splitlines()
     assert lines[0] == "# @package _global_"  # Hydra reads headers only up to the first other line
     assert f"+experiment={name}" in lines[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_timing_pass_on_cuda(toy: torch.nn.Module) -> None:
+    from hpcsplit.capture import capture, measure_nodes
+
+    cg = capture(toy, example_inputs("toy_mlp", 2, model=toy))
+    costs = measure_nodes(cg, batch_size=8, repeats=2, device="cuda")
+    assert costs and all(c.latency_ms > 0 for c in costs.values())
+    assert next(p.device.type for p in cg.module.parameters()) == "cpu"  # the captured module stays put

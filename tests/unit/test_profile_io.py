@@ -175,7 +175,7 @@ def _wait_for_cells(proc: subprocess.Popen[str], n: int, timeout_s: float = 120)
     raise AssertionError(f"the toy profile never reached cell {n}:\n" + "".join(lines))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGUSR2])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR2])  # SIGTERM: tests/mpi
 def test_killed_run_resumes_and_keeps_earlier_cells(tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "killed.h5"
     proc = _start_toy(out, sleep_s=0.05)

@@ -152,6 +152,40 @@ def test_analyze_writes_tables_and_plots(tmp_path: Path) -> None:
     assert "| enc | 1 | 1 | ok |" in Path(res["table_md"]).read_text()
 
 
+def test_assign_rows_gives_whole_rows_and_balances() -> None:
+    from hpcsplit.profiling import _assign_rows
+
+    missing = [(n, b, s) for n in ("big", "small") for s in range(2) for b in range(3)]
+    share = _assign_rows(missing, 2, {"big": 10.0, "small": 1.0}, [1.0, 2.0], "cpu")
+    assert sorted(c for part in share for c in part) == sorted(missing)  # every cell exactly once
+    for part in share:  # a (component, slice) row is never split: OOM inference stays on one rank
+        rows = {(n, s) for n, _b, s in part}
+        assert all(sum(1 for c in part if (c[0], c[2]) == r) == 3 for r in rows)
+    assert {(n, s) for n, _b, s in share[0]} == {("big", 0)}  # the heaviest row alone on rank 0
+    assert _assign_rows(missing, 3, {}, [1.0, 2.0], "cpu")[2]  # no rank idle while rows are left
+
+
+def test_mpi_stage_merges_part_files_left_by_a_killed_job(tmp_path: Path) -> None:
+    from hpcsplit._mpi import MPI
+    from hpcsplit.profiling import profile_components_mpi
+
+    out = tmp_path / "profile.h5"
+    grid = {**GRID, "batch_sizes": [1, 2]}
+    # what a killed 2-rank job leaves: an incomplete main file and rank 1's part file
+    profile_components(ToySwitchboard(), out=out, cells=[("enc", 0, 0)], **grid)
+    part = tmp_path / "profile.h5.part1"
+    profile_components(ToySwitchboard(), out=part, cells=[("head", 0, 1), ("head", 1, 1)], **grid)
+    before = read_profile(part, allow_incomplete=True).components["head"].latency_ms[:, 1].copy()
+    s = ProfileSettings.from_config(
+        {"profile": {"batch_sizes": [1, 2], "threads": [1, 2], "warmup": 1, "iters": 3, "progress": False}}
+    )
+    res = profile_components_mpi(ToySwitchboard(), s, out, comm=MPI.COMM_SELF)
+    assert res is not None and res["complete"] and res["cells_measured_now"] == 8 - 3
+    assert not part.exists()
+    after = read_profile(out).components["head"]
+    assert after.latency_ms[:, 1].tobytes() == before.tobytes()
+
+
 def test_profile_job_is_checkpointable() -> None:
     pytest.importorskip("submitit")
     from hpcsplit.profiling import ProfileJob

@@ -41,6 +41,12 @@ def test_diamond_dataflow() -> None:
     assert df.component("j").in_bdims == ((0,), (1,))
     assert df.component("j").batch_sizes == (4, 4)
     assert df.output_bdims == ((0, 1), (1,))
+    # shutdown order: STOP from the frontend to a, b replicas; j waits for all of a's and b's replicas
+    assert df.entry_ranks() == (1, 2, 3, 4)
+    assert df.upstream_ranks("a") == (0,)
+    assert df.upstream_ranks("j") == (1, 2, 3, 4)
+    assert df.downstream_ranks("b") == (5, 6)
+    assert df.downstream_ranks("j") == ()
     text = df.format()
     assert "j: (a.p, b.q) on [r5(b4), r6(b4)]" in text
 

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpcsplit.errors import RuntimeStageError
+from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 
 
@@ -53,7 +54,7 @@ def test_dtype_outside_the_table_is_refused() -> None:
 
 def test_send_buffer_is_a_view_not_a_copy() -> None:
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
-    buf, keep = tp._send_buffer(t, cuda_aware=False)
+    buf, _keep = tp._send_buffer(t, cuda_aware=False)
     arr = buf[0]
     assert arr.ctypes.data == t.data_ptr()
     b16 = t.to(torch.bfloat16)
@@ -87,16 +88,35 @@ def test_pool_buffer_stays_busy_while_a_view_lives() -> None:
 
 
 def test_backoff_sleeps_only_after_spinning() -> None:
-    b = tp.Backoff(spin_s=1.0, max_sleep_s=1e-3)
+    b = mb.Backoff(spin_s=1.0, max_sleep_s=1e-3)
     import time
 
     t0 = time.perf_counter()
     for _ in range(100):
         b.idle(time.perf_counter())
     assert time.perf_counter() - t0 < 0.5  # still spinning: no sleeps
-    b2 = tp.Backoff(spin_s=0.0, max_sleep_s=1e-3)
+    b2 = mb.Backoff(spin_s=0.0, max_sleep_s=1e-3)
     for _ in range(10):
         b2.idle(time.perf_counter())
     assert b2._sleep == pytest.approx(1e-3)
     b2.reset()
     assert b2._sleep == pytest.approx(20e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_stage_through_pinned_host_memory() -> None:
+    t = torch.arange(1000, dtype=torch.float32, device="cuda") * 2
+    _buf, keep = tp._send_buffer(t, cuda_aware=False)
+    host = keep[0]
+    assert host.is_pinned() and not host.is_cuda
+    assert torch.equal(host.view(torch.float32), t.cpu())
+    meta = tp.TensorMeta(0, torch.float32, (10, 100))
+    landing, _view = tp._alloc(meta, torch.device("cuda"), aware=False)
+    assert landing.is_pinned()
+    landing.copy_(t.cpu().view(10, 100))
+    msg = tp.RecvHandle(3, tp.Header(tp.KIND_DATA), [], [landing], torch.device("cuda")).test()
+    assert msg is not None and msg.tensors[0].is_cuda
+    assert torch.equal(msg.tensors[0].view(-1), t)
+    aware_buf, _ = tp._send_buffer(t, cuda_aware=True)
+    assert aware_buf[0] is not None

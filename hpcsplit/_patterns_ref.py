@@ -1,0 +1,125 @@
+"""Reference solvers for tests: a per-device MILP formulation and brute-force leximin enumeration.
+
+Both only suit small instances; the allocator itself uses :func:`hpcsplit._patterns.solve_patterns`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import scipy.sparse as sp
+
+from hpcsplit._packing import Instance, Pattern, enumerate_patterns
+from hpcsplit._patterns import Solution, _Base, _leximin, _throughputs
+
+__all__ = ["brute_force_leximin", "leximin_key", "solve_per_device"]
+
+
+def solve_per_device(instance: Instance, *, solver: str = "HIGHS", time_limit_s: float = 60.0,
+                     mip_rel_gap: float = 1e-6, tol: float = 1e-6) -> Solution:
+    """Reference formulation: integer replica counts per device and item (small instances only)."""
+    t0 = time.perf_counter()
+    active = instance.active
+    var_kind: list[tuple[int, int, int]] = []  # (kind, device, item) ; item -1 -> layout binaries
+    rows: list[dict[int, float]] = []
+    rhs: list[float] = []
+    ub: list[float] = []
+    for kk, kind in enumerate(instance.kinds):
+        for dev in range(kind.count):
+            first = len(var_kind)
+            for i in range(len(kind.items)):
+                var_kind.append((kk, dev, i))
+                ub.append(kind.max_items)
+            its = range(first, first + len(kind.items))
+            rows.append({v: kind.items[v - first].utilization for v in its})
+            rhs.append(kind.util_limit + 1e-9)
+            rows.append(dict.fromkeys(its, 1.0))
+            rhs.append(kind.max_items)
+            if kind.shared_mem_bytes is not None:
+                rows.append({v: kind.items[v - first].mem_bytes / kind.shared_mem_bytes for v in its})
+                rhs.append(1.0 + 1e-12)
+            if kind.layouts is None:
+                rows.append({v: kind.slice_units[kind.items[v - first].slice_idx] for v in its})
+                rhs.append(kind.capacity_units)
+            else:
+                lay0 = len(var_kind)
+                for li in range(len(kind.layouts)):
+                    var_kind.append((kk, dev, -1 - li))
+                    ub.append(1.0)
+                for s in range(len(kind.slice_sizes)):
+                    r = {v: 1.0 for v in its if kind.items[v - first].slice_idx == s}
+                    r.update({lay0 + li: -lay[s] for li, lay in enumerate(kind.layouts)})
+                    rows.append(r)
+                    rhs.append(0.0)
+                rows.append({lay0 + li: 1.0 for li in range(len(kind.layouts))})
+                rhs.append(1.0)
+    n = len(var_kind)
+    A = sp.lil_matrix((len(rows), n))
+    for ri, r in enumerate(rows):
+        for v, a in r.items():
+            A[ri, v] = a
+    Y = sp.lil_matrix((len(active), n))
+    R = sp.lil_matrix((instance.n_comp, n))
+    for v, (kk, _dev, i) in enumerate(var_kind):
+        if i < 0:
+            continue
+        it = instance.kinds[kk].items[i]
+        R[it.comp, v] = 1.0
+        if instance.weights[it.comp] > 0:
+            Y[active.index(it.comp), v] = it.throughput_rps / instance.weights[it.comp]
+    base = _Base(A.tocsr(), np.array(rhs), np.zeros(n), np.array(ub, float), np.ones(n, bool),
+                 Y.tocsr(), R.tocsr())
+    z, stages, hit = _leximin(instance, lambda: base, solver=solver, time_limit_s=time_limit_s,
+                              mip_rel_gap=mip_rel_gap, tol=tol)
+    chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
+    per_dev: dict[tuple[int, int], dict[int, int]] = {}
+    for v, (kk, dev, i) in enumerate(var_kind):
+        if i >= 0 and z[v] > 0.5:
+            per_dev.setdefault((kk, dev), {})[i] = round(z[v])
+    for (kk, _dev), cnts in sorted(per_dev.items()):
+        chosen[kk].append((tuple(sorted(cnts.items())), 1))
+    return Solution(chosen=tuple(tuple(c) for c in chosen), throughput_rps=_throughputs(instance, chosen),
+                    stages=tuple(stages), mode="per-device", solver=solver,
+                    solve_s=time.perf_counter() - t0, n_patterns=0, time_limit_hit=hit)
+
+
+# ------------------------------------------------------------------------------------- brute force
+def leximin_key(instance: Instance, thr: Sequence[float]) -> tuple[float, ...]:
+    """Sorted normalised throughputs of the active components (compare lexicographically)."""
+    return tuple(sorted(thr[c] / instance.weights[c] for c in instance.active))
+
+
+def brute_force_leximin(instance: Instance, *, limit: int = 200_000) -> tuple[float, ...]:
+    """The leximin-optimal sorted vector by trying every assignment of patterns to devices.
+
+    Only for tiny instances (tests). Raises ValueError beyond ``limit`` combinations.
+    """
+    per_kind: list[list[tuple[tuple[Pattern, int], ...]]] = []
+    total = 1
+    for kind in instance.kinds:
+        pats = enumerate_patterns(kind, limit, maximal_only=False)
+        if pats is None:
+            raise ValueError("too many patterns for brute force")
+        combos = list(itertools.combinations_with_replacement(range(len(pats)), kind.count))
+        total *= len(combos)
+        if total > limit:
+            raise ValueError(f"more than {limit} combinations for brute force")
+        per_kind.append([tuple((pats[i], 1) for i in combo) for combo in combos])
+    best: tuple[float, ...] | None = None
+    for choice in itertools.product(*per_kind):
+        reps = [0] * instance.n_comp
+        for kind, ch in zip(instance.kinds, choice, strict=True):
+            for pat, _ in ch:
+                for i, cnt in pat:
+                    reps[kind.items[i].comp] += cnt
+        if min(reps) < 1:
+            continue
+        key = leximin_key(instance, _throughputs(instance, choice))
+        if best is None or key > best:
+            best = key
+    if best is None:
+        raise ValueError("no assignment gives every component a replica")
+    return best

@@ -90,7 +90,7 @@ def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str,
         if r.component not in comps:
             p.append(f"{where}: component not in the profile")
             continue
-        size = r.slice_gb if cluster.is_gpu else float(r.threads)
+        size = float(r.slice_gb or 0.0) if cluster.is_gpu else float(r.threads)
         o = opts[r.component].get((r.batch_size, size))
         if cluster.is_gpu:
             if r.gpu is None or not 0 <= r.gpu < cluster.gpus_per_node:
@@ -110,7 +110,7 @@ def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str,
         node_threads[r.node] += r.threads
         node_mem[r.node] += o.mem_bytes
         thr[r.component] += o.throughput_rps
-    for key, u in dev_util.items():
+    for key, u in dev_util.items() if cluster.is_gpu else ():
         if u > ulim + 1e-6:
             p.append(f"device {key}: utilization {u:.3f} exceeds the limit {ulim:.3f}")
     if cluster.is_gpu:
@@ -124,6 +124,8 @@ def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str,
     else:
         for node, t in node_threads.items():
             cap = cluster.cores_per_node - (fcores if node == 0 else 0)
+            if node == 0:
+                cap += int(solve.get("oversubscribed_cores", 0) or 0)
             if t > cap:
                 p.append(f"node {node}: component ranks use {t} threads, {cap} cores are available")
             if node_mem[node] > cluster.mem_bytes_per_node * cpu_mem_fraction * (1 + 1e-9):
@@ -166,7 +168,7 @@ def plot_plan(plan: Plan, path: str | Path, *, max_devices: int = 128) -> Path |
         x = 0.0
         for r in rows[key]:
             w = float(r.slice_gb if r.slice_gb is not None else r.threads)
-            ax.add_patch(Rectangle((x, y + 0.1), w, 0.8, facecolor=colour[r.component], edgecolor="black", lw=0.5))
+            ax.add_patch(Rectangle((x, y + 0.1), w, 0.8, facecolor=colour[r.component or ""], edgecolor="black", lw=0.5))
             if len(shown) <= 64:
                 ax.text(x + w / 2, y + 0.5, f"b{r.batch_size}", ha="center", va="center", fontsize=6)
             x += w

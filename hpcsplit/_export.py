@@ -121,6 +121,9 @@ def export(
     """
     from hpcsplit.switchboard import Switchboard, _compare  # switchboard.py re-exports this module
 
+    final = Path(out)
+    if final.exists():
+        _check_out(final, overwrite)
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
 
@@ -152,7 +155,6 @@ def export(
         reference = model(*a, **k)
     ref_flat = [t.detach().contiguous() for t in pytree.tree_flatten(reference)[0]]
 
-    final = Path(out)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     tmp.chmod(0o755)
@@ -247,14 +249,24 @@ def export(
         d["verification"] = verification
         (tmp / _LAYOUT).write_text(json.dumps(d, indent=2) + "\n")
         if final.exists():
-            if not overwrite:
-                raise SwitchboardError(f"found existing {final}; needed a new directory or overwrite=True")
+            _check_out(final, overwrite)
             shutil.rmtree(final)
         tmp.rename(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Switchboard.load(final)
+
+
+def _check_out(final: Path, overwrite: bool) -> None:
+    """Only an existing switchboard (or an empty folder) may be replaced, and only with ``overwrite``."""
+    is_switchboard = (final / _LAYOUT).is_file() or (final.is_dir() and not any(final.iterdir()))
+    if not overwrite or not is_switchboard:
+        raise SwitchboardError(
+            f"found existing {final}"
+            + ("" if is_switchboard else " (not a switchboard: no layout.json)")
+            + "; needed a new or switchboard directory (and overwrite=True); choose another `out`"
+        )
 
 
 def _ref(root: Path, rel: str) -> L.FileRef:

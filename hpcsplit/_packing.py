@@ -182,8 +182,8 @@ def _undominated(kind: DeviceKind, values: np.ndarray) -> np.ndarray:
     pos = np.flatnonzero(values > 1e-12)
     keep = []
     by_slice: dict[int, list[int]] = {}
-    for i in pos:
-        by_slice.setdefault(kind.items[i].slice_idx, []).append(int(i))
+    for i_np in pos:
+        by_slice.setdefault(kind.items[int(i_np)].slice_idx, []).append(int(i_np))
     for group in by_slice.values():
         group.sort(key=lambda i: (kind.items[i].utilization, kind.items[i].mem_bytes, -values[i]))
         front: list[int] = []

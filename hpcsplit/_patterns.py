@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -122,6 +123,7 @@ def _stage(base: _Base, k: int, fixed: Mapping[int, float], *, slack: float | No
 
     ``fixed`` maps j -> S_j, the sum of the j smallest already reached.  Variables:
     ``[z, r_j for j in ks, d_j (n_act each) for j in ks, (slack s)]`` with ``ks = sorted(fixed) + [k]``.
+    Stage 1 alone is the plain max-min ``max r, r <= y_c`` (no d: the same optimum, an easier MILP).
     """
     ks = [*sorted(fixed), k]
     m = len(ks)
@@ -129,12 +131,16 @@ def _stage(base: _Base, k: int, fixed: Mapping[int, float], *, slack: float | No
     na = base.Y.shape[0]
     nc = base.R.shape[0]
     ns = nc if slack is not None else 0
-    nv = n0 + m + m * na + ns
+    nd = 0 if ks == [1] else m * na
+    nv = n0 + m + nd + ns
     blocks = [sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], nv - n0))])]
     # r_j - Y z - d_jc <= 0
     for t in range(m):
         rj = sp.csr_matrix((np.ones(na), (np.arange(na), np.full(na, t))), shape=(na, m))
-        dj = sp.csr_matrix((-np.ones(na), (np.arange(na), t * na + np.arange(na))), shape=(na, m * na))
+        if nd:
+            dj = sp.csr_matrix((-np.ones(na), (np.arange(na), t * na + np.arange(na))), shape=(na, nd))
+        else:
+            dj = sp.csr_matrix((na, 0))
         blocks.append(sp.hstack([-base.Y, rj, dj, sp.csr_matrix((na, ns))]))
     b_parts = [base.b, np.zeros(m * na)]
     # -(j r_j - sum d_j) <= -S_j  for the fixed stages
@@ -146,18 +152,19 @@ def _stage(base: _Base, k: int, fixed: Mapping[int, float], *, slack: float | No
         b_parts.append(np.array([-fixed[j]]))
     # replicas: -R z (- s) <= -1
     sblock = -sp.identity(nc, format="csr") if ns else sp.csr_matrix((nc, 0))
-    blocks.append(sp.hstack([-base.R, sp.csr_matrix((nc, m + m * na)), sblock]))
+    blocks.append(sp.hstack([-base.R, sp.csr_matrix((nc, m + nd)), sblock]))
     b_parts.append(-np.ones(nc))
     A = sp.vstack(blocks, format="csr")
     b = np.concatenate(b_parts)
     c = np.zeros(nv)
     c[n0 + m - 1] = -k
-    c[n0 + m + (m - 1) * na : n0 + m + m * na] = 1.0
+    if nd:
+        c[n0 + m + (m - 1) * na : n0 + m + m * na] = 1.0
     if ns:
-        c[n0 + m + m * na :] = slack
-    lb = np.concatenate([base.lb, np.zeros(m + m * na + ns)])
-    ub = np.concatenate([base.ub, np.full(m + m * na + ns, np.inf)])
-    rows = {"base": (0, base.A.shape[0]), "d": (base.A.shape[0], base.A.shape[0] + m * na), "m": (m, m)}
+        c[n0 + m + nd :] = slack
+    lb = np.concatenate([base.lb, np.zeros(m + nd + ns)])
+    ub = np.concatenate([base.ub, np.full(m + nd + ns, np.inf)])
+    rows = {"base": (0, base.A.shape[0]), "d": (base.A.shape[0], base.A.shape[0] + m * na)}
     rows["rep"] = (A.shape[0] - nc, A.shape[0])
     return c, A, b, lb, ub, rows
 
@@ -220,11 +227,11 @@ def _solve_milp(base: _Base, k: int, fixed: Mapping[int, float], solver: str, ti
 def _dual_bound(prob) -> float:
     """The solver's bound on the stage objective (a maximisation), inf when unknown."""
     st = prob.solver_stats.extra_stats if prob.solver_stats is not None else None
-    v = None
+    raw: Any = None
     if st is not None:
-        v = st.get("mip_dual_bound") if isinstance(st, dict) else getattr(st, "mip_dual_bound", None)
+        raw = st.get("mip_dual_bound") if isinstance(st, dict) else getattr(st, "mip_dual_bound", None)
     try:
-        v = float(v)
+        v = float(raw)
     except (TypeError, ValueError):
         return math.inf
     return -v if math.isfinite(v) else math.inf
@@ -249,11 +256,12 @@ def _leximin(
     time_limit_s: float,
     mip_rel_gap: float,
     tol: float,
-    before_stage: Callable[[int, list[float]], float] | None = None,
+    before_stage: Callable[[int, Mapping[int, float]], float] | None = None,
     n_patterns: Callable[[], int] = lambda: 0,
     stage_time_limit_s: float = math.inf,
     complete: bool = True,
     levels: int | None = None,
+    fallback: Callable[[], np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, list[StageInfo], bool]:
     """Run the leximin stages; ``before_stage(k, fixed)`` may grow the pool and returns an LP bound.
 
@@ -288,12 +296,19 @@ def _leximin(
         z, status, upper = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap)
         if complete:  # the solver's bound covers every pattern only when the pool has them all
             bound = min(bound, upper)
-        if z is None:
-            if z_best is None:
-                raise _Infeasible(status)
-            z = z_best  # the previous stage's solution satisfies every fixed stage
         if status != "optimal":
             hit = True
+            # a stopped solver may return less than what we already hold: the previous stage's
+            # solution (it satisfies every fixed stage) or, at the start, the rounded LP solution
+            held = z_best if z_best is not None else (fallback() if fallback else None)
+            if held is not None:
+                held = _pad(held, base)
+            if held is not None and _feasible(base, held, k, fixed) and (
+                z is None or _sum_smallest(base.Y @ held, k) > _sum_smallest(base.Y @ z, k)
+            ):
+                z = held
+        if z is None:
+            raise _Infeasible(status)
         z_best = z
         val = _sum_smallest(base.Y @ z, k)
         stages.append(StageInfo(k, val, bound, status, time.perf_counter() - ts, n_patterns()))
@@ -397,15 +412,20 @@ def solve_patterns(
     seen = set(cols)
     notes: list[str] = []
 
+    lp_x: dict[int, np.ndarray] = {}
+
     def grow(k: int, fixed: Mapping[int, float]) -> float:
         if used == "enumerate":
-            return _lp_bound(_pattern_base(instance, cols), k, fixed)
-        return _column_generation(instance, cols, seen, k, fixed, max_patterns, max_cg_iters, notes)
+            return _lp_bound(_pattern_base(instance, cols), k, fixed, lp_x)
+        return _column_generation(instance, cols, seen, k, fixed, max_patterns, max_cg_iters, notes, lp_x)
+
+    def fallback() -> np.ndarray | None:
+        return _round_lp(instance, cols, lp_x[1]) if 1 in lp_x else None
 
     z, stages, hit = _leximin(
         instance, lambda: _pattern_base(instance, cols), solver=solver, time_limit_s=time_limit_s,
         mip_rel_gap=mip_rel_gap, tol=tol, before_stage=grow, n_patterns=lambda: len(cols),
-        stage_time_limit_s=stage_time_limit_s, complete=used == "enumerate", levels=levels,
+        stage_time_limit_s=stage_time_limit_s, complete=used == "enumerate", levels=levels, fallback=fallback,
     )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     for j, (kk, pat) in enumerate(cols):
@@ -434,13 +454,41 @@ def _lp(base: _Base, k: int, fixed: Mapping[int, float], slack: float):
     return res, rows
 
 
-def _lp_bound(base: _Base, k: int, fixed: Mapping[int, float]) -> float:
+def _lp_bound(base: _Base, k: int, fixed: Mapping[int, float], lp_x: dict[int, np.ndarray]) -> float:
     res, _ = _lp(base, k, fixed, slack=1e6)
-    return -float(res.fun) if res.status == 0 else math.inf
+    if res.status != 0:
+        return math.inf
+    lp_x[k] = res.x[: base.A.shape[1]]
+    return -float(res.fun)
+
+
+def _round_lp(instance: Instance, cols: Sequence[tuple[int, Pattern]], x: np.ndarray) -> np.ndarray | None:
+    """An integer solution near the LP one: round down, then fill each free device greedily with
+    the pattern that best raises the sorted normalised throughputs (uncovered components first)."""
+    base = _pattern_base(instance, cols)
+    z = np.zeros(len(cols))
+    z[: len(x)] = np.floor(x + 1e-9)
+    free = base.b - base.A @ z
+    y = base.Y @ z
+    reps = base.R @ z
+    Y = base.Y.toarray()
+    R = base.R.toarray()
+    kinds = np.array([kk for kk, _ in cols])
+    for kk in range(len(instance.kinds)):
+        options = np.flatnonzero(kinds == kk)
+        for _ in range(int(np.rint(free[kk]))):
+            if options.size == 0:
+                break
+            best = max(options, key=lambda j: (int(((reps + R[:, j]) >= 1).sum()), tuple(np.sort(y + Y[:, j]))))
+            z[best] += 1
+            y = y + Y[:, best]
+            reps = reps + R[:, best]
+    return z if (reps >= 1).all() else None
 
 
 def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen: set[tuple[int, Pattern]], k: int,
-                       fixed: Mapping[int, float], max_patterns: int, max_iters: int, notes: list[str]) -> float:
+                       fixed: Mapping[int, float], max_patterns: int, max_iters: int, notes: list[str],
+                       lp_x: dict[int, np.ndarray]) -> float:
     """Grow the pools until the stage-k LP has no improving pattern; return an upper bound."""
     active = instance.active
     na = len(active)
@@ -464,6 +512,7 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
         for a, c in enumerate(active):
             pi[c] = lam_d[a] / instance.weights[c]
         lp_val = -float(res.fun)
+        lp_x[k] = res.x[: base.A.shape[1]]
         added = 0
         lagr = 0.0
         eps = 1e-7 * max(1.0, abs(lp_val))

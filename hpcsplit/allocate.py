@@ -54,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "max_cg_iters": 200,
     "stage_time_limit_s": 1.0,
     "leximin_levels": None,
+    "cpu_oversubscribe": True,
 }
 
 
@@ -362,7 +363,8 @@ def prune_dominated(opts: Sequence[Option]) -> list[Option]:
 
 def build_instance(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, weights: Mapping[str, float], *,
                    util_limit: float = 1.0, frontend_cores: int = 1, max_ranks_per_gpu: int | None = None,
-                   cpu_mem_fraction: float = 0.9) -> tuple[_P.Instance, list[tuple[int, list[int]]]]:
+                   cpu_mem_fraction: float = 0.9, extra_cores_node0: int = 0,
+                   ) -> tuple[_P.Instance, list[list[tuple[int, int]]]]:
     """The solver's instance, and per kind the (node, gpu) of its devices in order.
 
     Returns the instance and, per device kind, the list of ``(node, gpu or -1)`` it stands for.
@@ -397,15 +399,16 @@ def build_instance(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, 
         )
         mem = cluster.mem_bytes_per_node * cpu_mem_fraction
         units = tuple(int(t) for t in cluster.cpu_threads)
-        cap0 = cluster.cores_per_node - frontend_cores
+        cap0 = cluster.cores_per_node - frontend_cores + extra_cores_node0
         if cap0 > 0:
-            kinds.append(_P.DeviceKind("cpu-node0", 1, sizes, units, cap0, util_limit, cap0, items, None, mem))
+            # on CPU the thread budget is the limit (utilization = threads / cores says the same)
+            kinds.append(_P.DeviceKind("cpu-node0", 1, sizes, units, cap0, math.inf, cap0, items, None, mem))
             where.append([(0, -1)])
         if cluster.nodes > 1:
             cap = cluster.cores_per_node
-            kinds.append(_P.DeviceKind("cpu", cluster.nodes - 1, sizes, units, cap, util_limit, cap, items, None, mem))
+            kinds.append(_P.DeviceKind("cpu", cluster.nodes - 1, sizes, units, cap, math.inf, cap, items, None, mem))
             where.append([(n, -1) for n in range(1, cluster.nodes)])
-    return _P.Instance(len(names), w, tuple(kinds)), where  # type: ignore[return-value]
+    return _P.Instance(len(names), w, tuple(kinds)), where
 
 
 def _max_slots(kind: _P.DeviceKind) -> int:
@@ -414,6 +417,15 @@ def _max_slots(kind: _P.DeviceKind) -> int:
     else:
         per = kind.capacity_units // min(kind.slice_units)
     return kind.count * min(per, kind.max_items)
+
+
+def _cpu_deficit(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, frontend_cores: int) -> int:
+    """Cores missing on a CPU cluster for one smallest rank per component (0 when they fit)."""
+    if cluster.is_gpu:
+        return 0
+    need = sum(min(int(o.slice_size) for o in opts) for opts in table.values())
+    have = max(0, cluster.cores_per_node - frontend_cores) + (cluster.nodes - 1) * cluster.cores_per_node
+    return max(0, need - have)
 
 
 def _check_slots(instance: _P.Instance, names: list[str], cluster: ClusterSpec, frontend_cores: int) -> None:
@@ -486,9 +498,18 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
     table = _options(comps, cluster, o)
     names = list(table)
     weights = {c: float(o["demand_weights"].get(c, 1.0)) for c in names}
+    extra = _cpu_deficit(table, cluster, int(o["frontend_cores"])) if o["cpu_oversubscribe"] else 0
+    if extra:
+        log.warning(
+            "cluster %r: %d core(s) per node (%d kept for the frontend) cannot give each of the %d components a "
+            "rank; oversubscribing node 0 by %d core(s): ranks will share cores and predicted throughputs are "
+            "optimistic (set cluster.cores_per_node or allocate.cpu_oversubscribe=false)",
+            cluster.name, cluster.cores_per_node, int(o["frontend_cores"]), len(names), extra,
+        )
     instance, where = build_instance(
         table, cluster, weights, util_limit=float(o["util_limit"]), frontend_cores=int(o["frontend_cores"]),
         max_ranks_per_gpu=o["max_ranks_per_gpu"], cpu_mem_fraction=float(o["cpu_mem_fraction"]),
+        extra_cores_node0=extra,
     )
     _check_slots(instance, names, cluster, int(o["frontend_cores"]))
     try:
@@ -511,6 +532,9 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
             raise AllocationError(f"solver {o['solver']} failed: {e}; try allocate.solver=SCIPY or HIGHS") from e
         raise
     alloc = _to_allocation(plist, cluster, table, instance, where, sol, weights, o, time.perf_counter() - t0)
+    alloc.solve["oversubscribed_cores"] = extra
+    if extra:
+        alloc.solve["notes"].append(f"node 0 oversubscribed by {extra} core(s): throughput predictions optimistic")
     if not alloc.replicas:  # never hand back an empty plan
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, "no replica placed"))
     return alloc

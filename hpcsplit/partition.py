@@ -376,16 +376,17 @@ def _cut(nodes: list[Hashable], n: int, p: _Prepared, slack: float) -> list[list
         crossing[i] = run
     total = prefix[-1]
     step = total / n if total > 0 else 0.0
+    key = prefix if step > 0 else list(range(m + 1))  # no measured work: balance node counts
+    slack = min(max(slack, 0.0), 0.45)  # windows of neighbouring cuts never overlap: linear time
     cuts: list[int] = []
     lo_bound = 1
     for j in range(1, n):
         if lo_bound > m - (n - j):
             break
         target = j * step if step > 0 else j * m / n
-        key = prefix if step > 0 else list(range(m + 1))
         tol = slack * (step if step > 0 else m / n)
         lo = max(lo_bound, bisect.bisect_left(key, target - tol))
-        hi = min(m - (n - j), bisect.bisect_right(key, target + tol))
+        hi = min(m - (n - j), bisect.bisect_right(key, target + tol) - 1)
         if lo > hi:
             lo = hi = min(max(lo_bound, bisect.bisect_left(key, target)), m - (n - j))
         best = min(range(lo, hi + 1), key=lambda i: (crossing[i], abs(key[i] - target)))

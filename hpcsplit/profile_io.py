@@ -263,6 +263,14 @@ def _read_component(g: Any, name: str, path: Path) -> ComponentProfile:
             problems.append(f"dataset {ds!r} has shape {arr.shape}, expected {shape} (axes {axes})")
         arr.flags.writeable = False
         arrays[ds] = arr
+    measured, oom = arrays["measured"].astype(bool), arrays["oom"].astype(bool)
+    holes = measured & ~oom & ~np.isfinite(arrays["latency_ms"]).all(axis=2)
+    if holes.any():
+        b, s = (int(i[0]) for i in np.nonzero(holes))
+        problems.append(
+            f"{int(holes.sum())} cell(s) flagged measured without latencies (first: batch_size={bs[b]}, "
+            f"slice={sl[s]:g})"
+        )
     if problems:
         raise ProfileFormatError(f"{where}: {'; '.join(problems)}; the file is damaged: profile again.")
     return ComponentProfile(
@@ -272,8 +280,8 @@ def _read_component(g: Any, name: str, path: Path) -> ComponentProfile:
         latency_ms=arrays["latency_ms"],
         peak_mem_bytes=arrays["peak_mem_bytes"],
         utilization=arrays["utilization"],
-        oom=arrays["oom"].astype(bool),
-        measured=arrays["measured"].astype(bool),
+        oom=oom,
+        measured=measured,
         param_bytes=int(g.attrs["param_bytes"]),
         input_bytes_per_sample=int(g.attrs["input_bytes_per_sample"]),
         output_bytes_per_sample=int(g.attrs["output_bytes_per_sample"]),

@@ -78,9 +78,10 @@ install_packages() {
         ours=1
     fi
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    local ok=1
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || ok=0
     if (( ours )); then rm -f "$policy"; fi
+    (( ok )) || die "apt-get could not install ${missing[*]}"
 }
 
 write_configs() {
@@ -300,6 +301,7 @@ cmd_up() {
     [[ $(id -u) == 0 ]] || die "run as root (the dev cluster runs its daemons as root)"
     install_packages
     write_configs
+    "$STATE/epilog.sh" || true  # segments left by ranks killed before this `up`
     start_munge
     start_mariadb
     start_slurm

@@ -13,7 +13,9 @@ import torch
 
 from hpcsplit.runtime.transport import Message, RecvHandle, SendHandle, poll_message, wait_polling
 
-__all__ = ["Backoff", "Inbox", "Outbox"]
+__all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox"]
+
+IN_FLIGHT_SLEEP_S = 50e-6
 
 
 class Backoff:
@@ -38,14 +40,19 @@ class Backoff:
         self._since = None
         self._sleep = 20e-6
 
-    def idle(self, now: float, wake_at: float | None = None) -> None:
-        """Spin or sleep once; never past ``wake_at`` (a perf_counter time) if given."""
+    def idle(self, now: float, wake_at: float | None = None, in_flight: bool = False) -> None:
+        """Spin or sleep once; never past ``wake_at`` (a perf_counter time) if given.
+
+        ``in_flight``: a message is half-way (payload posted, or a large send not yet taken).  MPICH
+        moves large shared-memory messages only while *both* ranks call into MPI, so then sleep at most
+        ``IN_FLIGHT_SLEEP_S``: a deep sleep on either side would stall the copy.
+        """
         if self._since is None:
             self._since = now
         idle_for = now - self._since
         if idle_for < self.spin_s:
             return
-        s = self._sleep
+        s = min(self._sleep, IN_FLIGHT_SLEEP_S) if in_flight else self._sleep
         if wake_at is not None:
             s = min(s, max(0.0, wake_at - now))
         if s > 0:
@@ -91,10 +98,19 @@ class Outbox:
     def __init__(self) -> None:
         self.pending: deque[SendHandle] = deque()
         self._calls = 0
+        self.t_last_add = 0.0
 
     def add(self, h: SendHandle) -> None:
         if not h.test():
             self.pending.append(h)
+            self.t_last_add = time.perf_counter()
+
+    def in_flight(self, now: float, window_s: float = 0.02) -> bool:
+        """Sends pending that started within ``window_s``: the receiver is probably taking them now.
+
+        (A send still pending after that waits for a busy receiver; no need to keep polling fast.)
+        """
+        return bool(self.pending) and now - self.t_last_add < window_s
 
     def reap(self) -> int:
         p = self.pending

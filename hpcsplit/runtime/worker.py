@@ -40,7 +40,7 @@ __all__ = ["RUNTIME_DEFAULTS", "mpi_main", "runtime_settings", "serve_component"
 
 RUNTIME_DEFAULTS: dict[str, Any] = {
     "mode": None,  # batch | bench; None: from the stage name (serve -> batch)
-    "max_wait_ms": 2.0,
+    "max_wait_ms": 0.0,
     "max_inflight": 64,
     "request_timeout_s": 60.0,
     "threads": None,
@@ -248,7 +248,8 @@ def serve_component(
             if worked:
                 backoff.reset()
             else:
-                backoff.idle(time.perf_counter(), batcher.deadline())
+                t = time.perf_counter()
+                backoff.idle(t, batcher.deadline(), bool(inbox.pending) or outbox.in_flight(t))
     wall = time.perf_counter() - t_start
     stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join))
     return stats

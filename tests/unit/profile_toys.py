@@ -73,8 +73,10 @@ class ToySwitchboard:
     def component_example_inputs(self, batch_size: int) -> dict[str, tuple[torch.Tensor, ...]]:
         g = torch.Generator().manual_seed(batch_size)
         x = torch.randn(batch_size, self.width, generator=g)
-        with torch.no_grad():
-            return {"enc": (x,), "head": (self.mods["enc"].inner(x),)}
+        enc = self.mods["enc"].inner
+        with torch.no_grad():  # the profiler may have moved enc to the GPU; activations stay on the CPU
+            h = enc(x.to(next(enc.parameters()).device)).cpu()
+        return {"enc": (x,), "head": (h,)}
 
 
 def export_switchboard(model: str, out: Path) -> Path:

@@ -218,7 +218,12 @@ def test_cpu_too_few_cores_names_the_way_out():
     cl = ClusterSpec.from_config({"name": "l", "nodes": 1, "gpus_per_node": 0, "cores_per_node": 2,
                                   "mem_gb_per_node": 8, "cpu_threads": [1]})
     with pytest.raises(AllocationInfeasibleError, match=r"frontend.*cores_per_node"):
-        allocate(prof, cl)
+        allocate(prof, cl, cpu_oversubscribe=False)
+    # by default a too-small CPU node is oversubscribed (one 1-thread rank per component), and said so
+    al = allocate(prof, cl)
+    assert al.solve["oversubscribed_cores"] == 2 and len(al.replicas) == 3
+    assert any("oversubscribed" in n for n in al.solve["notes"])
+    validate_plan(al.to_plan(), prof, cl)
 
 
 def test_slo_needs_a_batch_size_the_profile_lacks():
@@ -276,3 +281,32 @@ def test_cluster_defaults_to_this_machine():
     spec = ClusterSpec.from_config({"name": "l", "nodes": 1, "gpus_per_node": 0, "cpu_threads": [1],
                                     "cores_per_node": None, "mem_gb_per_node": None})
     assert spec.cores_per_node >= 1 and spec.mem_gb_per_node > 0 and spec.device_kind == "cpu"
+
+
+def test_default_config_matches_the_function_defaults():
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).parents[2] / "conf" / "allocate" / "default.yaml").read_text())
+    assert set(cfg) == set(DEFAULTS)
+    for key, value in DEFAULTS.items():
+        assert cfg[key] == value, key
+
+
+def test_zero_weight_gets_one_replica_and_no_say():
+    prof, cl = gpu_profile(SPEC), gpu_cluster(gpus=2)
+    al = allocate(prof, cl, demand_weights={"head": 0}, **EXACT)
+    assert sum(1 for r in al.replicas if r.option.component == "head") >= 1
+    assert len(al.leximin) == 2
+    np.testing.assert_allclose(al.leximin, R.brute_force_leximin(instance_of(prof, cl, demand_weights={"head": 0})),
+                               rtol=1e-5)
+
+
+def test_several_profiles_are_merged_and_names_must_differ():
+    a = gpu_profile({k: SPEC[k] for k in ("enc", "dec")}, model="m1")
+    b = gpu_profile({"head": SPEC["head"]}, model="m2")
+    al = allocate([a, b], gpu_cluster(gpus=2), **EXACT)
+    assert set(al.throughput_rps) == {"enc", "dec", "head"} and al.model == "m1+m2"
+    with pytest.raises(AllocationError, match="'enc' appears in two profiles"):
+        allocate([a, a], gpu_cluster(gpus=2))

@@ -296,3 +296,16 @@ def test_cli_reports_config_problems_and_exits_1(tmp_path: Path) -> None:
     assert res.returncode == 1, res.stdout + res.stderr
     assert "ConfigError: 2 config problem(s)" in res.stderr
     assert "stage = 'nope'" in res.stderr and "cluster='local' has none" in res.stderr
+
+
+def test_all_skips_missing_stages_and_says_which(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(launch.LOCAL_STAGES, "export", ("hpcsplit.no_such_module", "run_export"))
+    lines: list[str] = []
+    out = launch.main({**_cfg(), "stage": "all"}, tmp_path, echo=lines.append)
+    skipped = out["result"]["skipped"]
+    assert list(skipped) == ["export", "profile", "allocate", "bench"]
+    assert "does not exist yet" in skipped["export"]
+    assert "needs a switchboard" in skipped["profile"] and "needs a plan" in skipped["bench"]
+    assert any("NOT AVAILABLE" in x and "export" in x for x in lines)
+    assert str(tmp_path) in lines[-1]  # says where the outputs are
+    assert (tmp_path / "launch.json").exists()

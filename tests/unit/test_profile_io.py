@@ -81,6 +81,7 @@ def test_named_axes_and_units(toy_profile: Path) -> None:
         ("attr", "root attributes missing: switchboard_sha256"),
         ("format", "not an hpcsplit profile"),
         ("shape", "dataset 'utilization' has shape (2,)"),
+        ("hole", "1 cell(s) flagged measured without latencies (first: batch_size=2, slice=1)"),
     ],
 )
 def test_damaged_files_are_refused(toy_profile: Path, tmp_path: Path, damage: str, message: str) -> None:
@@ -94,6 +95,8 @@ def test_damaged_files_are_refused(toy_profile: Path, tmp_path: Path, damage: st
             del f.attrs["switchboard_sha256"]
         elif damage == "format":
             f.attrs["format"] = "something-else"
+        elif damage == "hole":
+            f["components/enc/latency_ms"][1, 0, 1] = np.nan
         elif damage == "shape":
             del f["components/enc/utilization"]
             f["components/enc/utilization"] = np.zeros(2)

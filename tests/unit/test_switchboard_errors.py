@@ -150,3 +150,16 @@ def test_bad_inputs_get_clear_errors() -> None:
         capture(toy, (3,))
     with pytest.raises(CaptureError, match="same batch size"):
         capture(torch.nn.Bilinear(2, 2, 1), (torch.randn(2, 2), torch.randn(3, 2)))
+
+
+def test_export_never_replaces_a_foreign_directory(tmp_path: Path) -> None:
+    keep = tmp_path / "data"
+    keep.mkdir()
+    (keep / "precious.txt").write_text("x")
+    toy = build_toy(d_in=4, hidden=4, d_out=2)
+    with pytest.raises(SwitchboardError, match="not a switchboard"):
+        hpcsplit.export(
+            toy, example_inputs("toy_mlp", 2, model=toy), out=keep, cost="flops", timing_repeats=1
+        )
+    assert (keep / "precious.txt").read_text() == "x"
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]  # the temporary folder is gone too

@@ -13,12 +13,11 @@ from hpcsplit.errors import HpcsplitError as HpcsplitError
 
 __version__ = "0.1.0"
 
-# name -> module that defines it
+# name -> module that defines it.  (`capture` and `partition` are modules of the same name:
+# use hpcsplit.capture.capture / hpcsplit.partition.partition.)
 _LAZY = {
     "export": "hpcsplit.switchboard",
     "Switchboard": "hpcsplit.switchboard",
-    "capture": "hpcsplit.capture",
-    "partition": "hpcsplit.partition",
     "profile_components": "hpcsplit.profiling",
     "read_profile": "hpcsplit.profile_io",
     "Profile": "hpcsplit.profile_io",
@@ -31,8 +30,6 @@ __all__ = ["__version__", "HpcsplitError", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcsplit.allocate import Allocation, allocate
-    from hpcsplit.capture import capture
-    from hpcsplit.partition import partition
     from hpcsplit.profile_io import Profile, read_profile
     from hpcsplit.profiling import profile_components
     from hpcsplit.runtime.plan import Plan

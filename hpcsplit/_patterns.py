@@ -262,6 +262,8 @@ def _leximin(
     complete: bool = True,
     levels: int | None = None,
     fallback: Callable[[], np.ndarray | None] | None = None,
+    improve: Callable[[np.ndarray], bool] | None = None,
+    shrink: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, list[StageInfo], bool]:
     """Run the leximin stages; ``before_stage(k, fixed)`` may grow the pool and returns an LP bound.
 
@@ -284,7 +286,8 @@ def _leximin(
         base = base_fn()
         left = time_limit_s - (time.perf_counter() - t0)
         # share what is left over the remaining stages, the earlier ones getting more
-        budget = max(0.1, min(stage_time_limit_s, left * 2 / (len(seq) - pos + 1)))
+        cap = stage_time_limit_s * (2 if pos == 0 else 1)  # stage 1 fixes the minimum: it gets more
+        budget = max(0.1, min(cap, left * 2 / (len(seq) - pos + 1)))
         ts = time.perf_counter()
         if z_best is not None:
             z_best = _pad(z_best, base)
@@ -309,8 +312,18 @@ def _leximin(
                 z = held
         if z is None:
             raise _Infeasible(status)
-        z_best = z
         val = _sum_smallest(base.Y @ z, k)
+        if improve is not None and pos == 0 and bound < math.inf and val < bound * (1 - 0.02) and improve(z):
+            # the pool was widened around this solution: solve stage 1 once more, keep the better
+            base = base_fn()
+            z = _pad(z, base)
+            left = time_limit_s - (time.perf_counter() - t0)
+            z2, status2, _ = _solve_milp(base, k, fixed, solver, max(0.1, min(cap, left / 2)), mip_rel_gap)
+            if z2 is not None and _sum_smallest(base.Y @ z2, k) > val:
+                z, status, val = z2, status2, _sum_smallest(base.Y @ z2, k)
+            if shrink is not None:
+                z = shrink(z)  # drop the unused new patterns: later stages stay small
+        z_best = z
         stages.append(StageInfo(k, val, bound, status, time.perf_counter() - ts, n_patterns()))
         fixed[k] = val - tol * max(1.0, abs(val))
     assert z_best is not None
@@ -422,10 +435,31 @@ def solve_patterns(
     def fallback() -> np.ndarray | None:
         return _round_lp(instance, cols, lp_x[1]) if 1 in lp_x else None
 
+    n_before: list[int] = []
+
+    def improve(z: np.ndarray) -> bool:
+        if used != "generate":
+            return False
+        n_before.append(len(cols))
+        added = _neighbour_columns(instance, cols, seen, z, limit=max(0, max_patterns - len(cols)))
+        if added:
+            notes.append(f"stage 1: {added} neighbour patterns of the integer solution tried")
+        return added > 0
+
+    def shrink(z: np.ndarray) -> np.ndarray:
+        n0 = n_before[-1]
+        keep = [j for j in range(n0, len(cols)) if z[j] > 0.5]
+        for j in range(n0, len(cols)):
+            if z[j] <= 0.5:
+                seen.discard(cols[j])
+        cols[n0:] = [cols[j] for j in keep]
+        return np.concatenate([z[:n0], z[keep]])
+
     z, stages, hit = _leximin(
         instance, lambda: _pattern_base(instance, cols), solver=solver, time_limit_s=time_limit_s,
         mip_rel_gap=mip_rel_gap, tol=tol, before_stage=grow, n_patterns=lambda: len(cols),
         stage_time_limit_s=stage_time_limit_s, complete=used == "enumerate", levels=levels, fallback=fallback,
+        improve=improve, shrink=shrink,
     )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     for j, (kk, pat) in enumerate(cols):
@@ -460,6 +494,40 @@ def _lp_bound(base: _Base, k: int, fixed: Mapping[int, float], lp_x: dict[int, n
         return math.inf
     lp_x[k] = res.x[: base.A.shape[1]]
     return -float(res.fun)
+
+
+def _neighbour_columns(instance: Instance, cols: list[tuple[int, Pattern]], seen: set[tuple[int, Pattern]],
+                       z: np.ndarray, *, limit: int) -> int:
+    """Add the patterns one swap (or one addition) away from those the integer solution uses.
+
+    LP pricing only finds patterns the LP likes; the integer optimum often needs a near miss.
+    """
+    added = 0
+    for j in np.flatnonzero(z > 0.5):
+        kk, pat = cols[int(j)]
+        kind = instance.kinds[kk]
+        base = dict(pat)
+        for drop in [None, *base]:
+            cand = dict(base)
+            if drop is not None:
+                cand[drop] -= 1
+                if not cand[drop]:
+                    del cand[drop]
+            for i in range(len(kind.items)):
+                if i == drop:
+                    continue
+                cand[i] = cand.get(i, 0) + 1
+                key = (kk, tuple(sorted(cand.items())))
+                if key not in seen and pattern_fits(kind, cand):
+                    if added >= limit:
+                        return added
+                    cols.append(key)
+                    seen.add(key)
+                    added += 1
+                cand[i] -= 1
+                if not cand[i]:
+                    del cand[i]
+    return added
 
 
 def _round_lp(instance: Instance, cols: Sequence[tuple[int, Pattern]], x: np.ndarray) -> np.ndarray | None:

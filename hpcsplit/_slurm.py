@@ -22,6 +22,15 @@ died without a result when accounting is broken.  :func:`wait_for_job` polls on 
 subprocess timeout.  A job that left the queue without a result is reported at once with its state,
 exit code, the ``[rank N]`` error lines and the tail of its logs.  A job that neither squeue,
 sacct nor scontrol knows for ``_VANISHED_S`` seconds is reported as lost.
+
+[Note: preemption]
+The profile job is submitted as ``profiling.ProfileJob()`` (it has a submitit ``checkpoint``) with
+``max_num_timeout = launcher.max_requeue`` (3).  submitit's sbatch script carries
+``--signal=USR2@90``; on that warning, on a preemption (USR2 from ``scancel --signal=USR2``) or on
+``scontrol requeue`` (SIGTERM), every rank finishes its current cell and flushes it to its HDF5
+part file, rank 0 merges, and submitit (task 0) requeues the same call; the requeued job resumes
+the profile and measures only the missing cells.  While a job is ``REQUEUED`` / ``PENDING`` again
+the login side keeps waiting; it reads rank 0's result only once the job has ``COMPLETED``.
 """
 
 from __future__ import annotations
@@ -287,6 +296,21 @@ class SubmittedJob:
     time_min: int
 
 
+def _job_function(stage: str, cfg: Mapping[str, Any]) -> tuple[Callable[..., Any], int]:
+    """The submitted function and how often a timed-out job may requeue itself.
+
+    See ``[Note: preemption]``: the profile stage is checkpointable (``profiling.ProfileJob``);
+    other stages run :func:`job_main` and are not requeued on time-out.
+    """
+    if stage == "profile":
+        try:
+            from hpcsplit.profiling import ProfileJob
+        except ImportError:  # an older profiling module: plain job, no requeue
+            return job_main, 0
+        return ProfileJob(), int((cfg.get("launcher") or {}).get("max_requeue", 3) or 0)
+    return job_main, 0
+
+
 def submit(
     entry: str,
     cfg: dict[str, Any],
@@ -311,13 +335,14 @@ def submit(
     (Path(run_dir) / f"{stage}.cfg.json").write_text(json.dumps(cfg, indent=2, default=str))
     result = _rank.result_path(run_dir, entry)
     result.unlink(missing_ok=True)
-    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    fn, requeues = _job_function(stage, cfg)
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=requeues)
     try:
         ex.update_parameters(**params)
     except ValueError as e:
         raise ConfigError(f"submitit rejected the SLURM parameters {sorted(params)}: {e}") from e
     try:
-        job = ex.submit(job_main, entry, cfg, str(run_dir))
+        job = ex.submit(fn, entry, cfg, str(run_dir))
     except Exception as e:
         raise LaunchError(
             f"sbatch refused the {stage} job ({', '.join(f'{k}={v}' for k, v in params.items() if k != 'setup')}):"

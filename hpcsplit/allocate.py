@@ -52,7 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "enumerate_limit": 3000,
     "max_patterns": 5000,
     "max_cg_iters": 200,
-    "stage_time_limit_s": 1.0,
+    "stage_time_limit_s": 0.5,
     "leximin_levels": None,
     "cpu_oversubscribe": True,
 }
@@ -467,9 +467,10 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
     solver, time_limit_s
         cvxpy MILP solver and the time limit for the whole leximin solve.
     **options
-        ``mip_rel_gap``, ``leximin_tol``, ``slo_quantile``, ``util_limit``, ``frontend_cores``,
-        ``max_ranks_per_gpu``, ``cpu_mem_fraction``, ``mode`` (auto | enumerate | generate),
-        ``enumerate_limit``, ``max_patterns``, ``max_cg_iters`` (see conf/allocate/default.yaml).
+        ``stage_time_limit_s``, ``mip_rel_gap``, ``leximin_tol``, ``leximin_levels``, ``slo_quantile``,
+        ``util_limit``, ``frontend_cores``, ``max_ranks_per_gpu``, ``cpu_mem_fraction``,
+        ``cpu_oversubscribe``, ``mode`` (auto | enumerate | generate), ``enumerate_limit``,
+        ``max_patterns``, ``max_cg_iters`` (see conf/allocate/default.yaml and docs/allocate.md).
 
     Returns
     -------
@@ -566,7 +567,8 @@ def _to_allocation(plist: list[Any], cluster: ClusterSpec, table: Mapping[str, S
         # patterns with more items first, so the busiest devices come first
         expanded = [pat for pat, n in sorted(chosen, key=lambda pn: -sum(k for _, k in pn[0])) for _ in range(n)]
         for (node, gpu), pat in zip(devs, expanded, strict=False):
-            items = sorted(((kind.items[i], k) for i, k in pat), key=lambda t: (-t[0].slice_idx, t[0].comp))
+            items = sorted(((kind.items[i], k) for i, k in pat),
+                           key=lambda t: (-kind.slice_sizes[t[0].slice_idx], t[0].comp))
             slot = 0
             g = None if gpu < 0 else gpu
             for it, k in items:
@@ -578,7 +580,8 @@ def _to_allocation(plist: list[Any], cluster: ClusterSpec, table: Mapping[str, S
     lex = tuple(sorted(thr[c] / weights[c] for c in names if weights[c] > 0))
     meta = plist[0].meta
     solve = {
-        "solver": sol.solver, "mode": sol.mode, "solve_s": sol.solve_s, "total_s": elapsed, "gap": sol.gap, "max_gap": sol.max_gap,
+        "solver": sol.solver, "mode": sol.mode, "solve_s": sol.solve_s, "total_s": elapsed,
+        "gap": sol.gap, "max_gap": sol.max_gap,
         "time_limit_hit": sol.time_limit_hit, "n_patterns": sol.n_patterns,
         "stages": [{"k": s.k, "value": s.value, "bound": s.bound if math.isfinite(s.bound) else None,
                     "status": s.status, "solve_s": s.solve_s} for s in sol.stages],

@@ -1,6 +1,8 @@
 """Configuration helpers that need no Hydra: where ``conf/`` is, argv shortcuts, validation.
 
 [Note: input shortcuts]
+``resume=RUN_DIR`` becomes ``hydra.run.dir=/abs/RUN_DIR``: the run writes into that folder again and
+``stage=all`` skips the stages whose inputs are unchanged (``[Note: pipeline manifest]``).
 ``python -m hpcsplit stage=analyze profile=PATH`` is rewritten before Hydra parses it:
 ``profile`` is a config group, so a value that is not one of its options but looks like a path
 becomes ``profile.path=/abs/PATH``.  ``plan`` and ``switchboard`` are top-level keys; their paths
@@ -29,6 +31,7 @@ __all__ = [
     "launch_problems",
     "rewrite_argv",
     "validate",
+    "value_problems",
 ]
 
 STAGES = ("export", "profile", "analyze", "allocate", "serve", "bench", "probe", "sbatch", "all")
@@ -103,6 +106,8 @@ def rewrite_argv(argv: Sequence[str], conf: Path | None = None, cwd: Path | None
     ['stage=analyze', 'profile.path=/w/runs/p.h5']
     >>> rewrite_argv(["plan=out/plan.json", "profile=default", "+experiment=clip"], conf=None, cwd=Path("/w"))
     ['plan=/w/out/plan.json', 'profile=default', '+experiment=clip']
+    >>> rewrite_argv(["resume=outputs/x"], conf=None, cwd=Path("/w"))
+    ['hydra.run.dir=/w/outputs/x']
     """
     if conf is None:
         try:
@@ -113,6 +118,11 @@ def rewrite_argv(argv: Sequence[str], conf: Path | None = None, cwd: Path | None
     out: list[str] = []
     for arg in argv:
         key, eq, value = arg.partition("=")
+        if key == "resume" and eq and value not in ("", "null"):
+            folder = Path(os.path.expanduser(value))
+            folder = folder if folder.is_absolute() else base / folder
+            out.append(f"hydra.run.dir={_quote(os.path.normpath(folder))}")
+            continue
         if not eq or key not in _SHORTCUTS or value in ("", "null") or "," in value or "(" in value:
             out.append(arg)
             continue
@@ -165,6 +175,7 @@ def launch_problems(cfg: Mapping[str, Any]) -> list[str]:
     if launcher not in LAUNCHERS:
         errs.append(f"launcher.name = {launcher!r}: needs one of {list(LAUNCHERS)} (launcher=local|slurm)")
     _check_int(errs, "launcher.ranks", _get(cfg, "launcher.ranks"), 1, allow_none=True)
+    _check_int(errs, "launcher.max_requeue", _get(cfg, "launcher.max_requeue"), 0, allow_none=True)
     _check_num(errs, "launcher.timeout_min", _get(cfg, "launcher.timeout_min"))
     for key in ("poll_s", "poll_max_s", "progress_s"):
         _check_num(errs, f"launcher.{key}", _get(cfg, f"launcher.{key}"))
@@ -175,6 +186,59 @@ def launch_problems(cfg: Mapping[str, Any]) -> list[str]:
         errs.append(f"launcher.mpiexec_args = {args!r}: needs a list of strings")
     if launcher == "slurm":
         errs.extend(slurm_problems(cfg))
+    errs.extend(value_problems(cfg))
+    return errs
+
+
+def _check_list(errs: list[str], name: str, value: Any, lo: float, ints: bool) -> None:
+    if value is None:
+        return
+    items = value if isinstance(value, list) else [value]
+    kind = int if ints else (int, float)
+    bad = [v for v in items if isinstance(v, bool) or not isinstance(v, kind) or v < lo or (not ints and v == 0)]
+    if bad or (isinstance(value, list) and not value):
+        what = "integers >= 1" if ints else "numbers > 0"
+        errs.append(f"{name} = {value!r}: needs a non-empty list of {what}")
+
+
+def value_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Problems of the values every stage reads (batch sizes, loads, grids, cluster hardware).
+
+    Only keys that are present are checked, so partial configs (tests, plain sbatch) pass.
+    """
+    errs: list[str] = []
+    if _get(cfg, "model.batch_size") is not None:
+        _check_int(errs, "model.batch_size", _get(cfg, "model.batch_size"), 1)
+    if _get(cfg, "bench.qps") is not None:
+        _check_list(errs, "bench.qps", _get(cfg, "bench.qps"), 0, ints=False)
+    for key in ("bench.duration_s", "runtime.request_timeout_s", "allocate.time_limit_s"):
+        if _get(cfg, key) is not None:
+            _check_num(errs, key, _get(cfg, key), allow_none=False)
+    if _get(cfg, "bench.warmup_s") is not None and not (
+        isinstance(_get(cfg, "bench.warmup_s"), int | float) and _get(cfg, "bench.warmup_s") >= 0
+    ):
+        errs.append(f"bench.warmup_s = {_get(cfg, 'bench.warmup_s')!r}: needs a number >= 0")
+    if _get(cfg, "profile.max_batch") is not None:
+        _check_int(errs, "profile.max_batch", _get(cfg, "profile.max_batch"), 1)
+    if _get(cfg, "profile.iters") is not None:
+        _check_int(errs, "profile.iters", _get(cfg, "profile.iters"), 1)
+    if _get(cfg, "profile.warmup") is not None:
+        _check_int(errs, "profile.warmup", _get(cfg, "profile.warmup"), 0)
+    _check_list(errs, "profile.batch_sizes", _get(cfg, "profile.batch_sizes"), 1, ints=True)
+    _check_list(errs, "profile.threads", _get(cfg, "profile.threads"), 1, ints=True)
+    if _get(cfg, "runtime.max_inflight") is not None:
+        _check_int(errs, "runtime.max_inflight", _get(cfg, "runtime.max_inflight"), 1)
+    cluster = cfg.get("cluster")
+    if isinstance(cluster, Mapping):
+        if "nodes" in cluster:
+            _check_int(errs, "cluster.nodes", cluster.get("nodes"), 1)
+        _check_int(errs, "cluster.cores_per_node", cluster.get("cores_per_node"), 1, allow_none=True)
+        if cluster.get("gpus_per_node") is not None:
+            _check_int(errs, "cluster.gpus_per_node", cluster.get("gpus_per_node"), 0)
+        if cluster.get("cpu_threads"):
+            _check_list(errs, "cluster.cpu_threads", cluster.get("cpu_threads"), 1, ints=True)
+    elif cluster is not None:
+        errs.append(f"cluster = {cluster!r}: needs a preset name from conf/cluster/ (cluster=local|dev|perlmutter)")
     return errs
 
 

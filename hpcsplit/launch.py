@@ -8,8 +8,8 @@ dispatches the stage (see ``[Note: stage entry points]`` in docs/architecture.md
 * probe, profile, serve, bench run as MPI ranks: ``python -m mpi4py -m hpcsplit._rank MODULE:FUNC
   CFG.json RUN_DIR`` under ``mpiexec -n N`` (``launcher=local``) or as one SLURM job through submitit
   (``launcher=slurm``, see ``[Note: SLURM job shape]`` in :mod:`hpcsplit._slurm`);
-* ``all`` runs export, profile, allocate and bench in order, skipping stages whose module is not
-  there and saying so.
+* ``all`` runs export, profile, analyze, allocate and bench in order (:mod:`hpcsplit.pipeline`),
+  skipping stages whose inputs did not change since the last run in the same folder.
 
 Every stage writes into the Hydra run folder (``paths.run_dir``), which is printed at the end.
 """
@@ -51,7 +51,7 @@ MPI_ENTRIES: dict[str, tuple[str, str]] = {
     "serve": ("hpcsplit.runtime.worker", "mpi_main"),
     "bench": ("hpcsplit.runtime.worker", "mpi_main"),
 }
-ALL_STAGES = ("export", "profile", "allocate", "bench")
+ALL_STAGES = ("export", "profile", "analyze", "allocate", "bench")  # hpcsplit.pipeline.PIPELINE
 
 Echo = Callable[[str], None]
 
@@ -373,41 +373,25 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo
     return result
 
 
-def _fill_inputs(cfg: dict[str, Any], run_dir: Path) -> None:
-    """Point later stages of ``all`` at what earlier stages wrote into the run folder."""
-    for what in ("switchboard", "plan"):
-        if not cfg.get(what):
-            found = _input_path(cfg, run_dir, what)
-            if found is not None:
-                cfg[what] = str(found)
-    prof = cfg.get("profile")
-    if isinstance(prof, dict) and not prof.get("path"):
-        found = _input_path(cfg, run_dir, "profile")
-        if found is not None:
-            prof["path"] = str(found)
-
-
-_NEEDS = {"profile": "switchboard", "allocate": "profile", "bench": "plan"}
+def _preflight(stage: str, cfg: dict[str, Any]) -> None:
+    """Fail before any work when the launcher the stages need is missing (not after a long export)."""
+    if stage not in (*MPI_ENTRIES, "all"):
+        return
+    if cfg["launcher"]["name"] == "slurm":
+        if shutil.which("sbatch") is None:
+            raise LaunchError(
+                "launcher=slurm but there is no `sbatch` on PATH: run on a SLURM login node (module load "
+                "slurm), use launcher=local, or start a dev cluster with `slurm/dev-cluster.sh up`."
+            )
+    else:
+        find_mpiexec((cfg.get("launcher") or {}).get("mpiexec"))
 
 
 def _run_all(cfg: dict[str, Any], run_dir: Path, echo: Echo) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    for stage in ALL_STAGES:
-        mod, func = LOCAL_STAGES[stage] if stage in LOCAL_STAGES else MPI_ENTRIES[stage]
-        _fn, why = _available(mod, func)
-        need = _NEEDS.get(stage)
-        if not why and need and _input_path(cfg, run_dir, need) is None:
-            why = f"needs a {need}, which no earlier stage wrote (pass {need}=PATH)"
-        if why:
-            skipped[stage] = why
-            echo(f"[hpcsplit] stage {stage}: NOT AVAILABLE ({why}); skipped")
-            continue
-        results[stage] = _timed(stage, cfg, run_dir, echo)
-        _fill_inputs(cfg, run_dir)
-    if skipped:
-        echo(f"[hpcsplit] stages not run: {', '.join(f'{s} ({w})' for s, w in skipped.items())}")
-    return {"stages": results, "skipped": skipped}
+    """``stage=all``: see :mod:`hpcsplit.pipeline` (skips up-to-date stages, writes summary.md)."""
+    from hpcsplit.pipeline import run_pipeline
+
+    return run_pipeline(cfg, run_dir, echo, run_stage)
 
 
 def _timed(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo) -> Any:
@@ -459,6 +443,7 @@ def _main(cfg: dict[str, Any], run_dir: str | Path | None, echo: Echo) -> dict[s
     stage = cfg["stage"]
     launcher = cfg["launcher"]["name"]
     cluster = (cfg.get("cluster") or {}).get("name")
+    _preflight(stage, cfg)
     echo(f"[hpcsplit] stage={stage} launcher={launcher} cluster={cluster} run folder {run_dir}")
     t0 = time.monotonic()
     result = _run_all(cfg, run_dir, echo) if stage == "all" else _timed(stage, cfg, run_dir, echo)
@@ -469,7 +454,11 @@ def _main(cfg: dict[str, Any], run_dir: str | Path | None, echo: Echo) -> dict[s
         "elapsed_s": time.monotonic() - t0,
     }
     (run_dir / "launch.json").write_text(json.dumps({**summary, "result": result}, indent=2, default=str))
-    echo(f"[hpcsplit] outputs of stage={stage} are in {run_dir}")
+    if stage == "all":
+        echo(f"[hpcsplit] done in {summary['elapsed_s']:.1f} s. Results: {run_dir} (read {run_dir / 'summary.md'} "
+             f"first); {len(result.get('plots') or [])} plot(s) listed there")
+    else:
+        echo(f"[hpcsplit] outputs of stage={stage} are in {run_dir}")
     return {**summary, "result": result}
 
 

@@ -31,8 +31,9 @@ def _iters_for(nbytes: int, base: int) -> int:
     return max(8, min(base, base * (4 << 20) // max(nbytes, 1)))
 
 
-def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]) -> dict[str, float]:
-    """Seconds per one-way transfer per method: median of round trips / 2.
+def _pingpong(comm, rank: int, nbytes: int, iters: int,
+              methods: tuple[str, ...]) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per one-way transfer per method: (best, median) over blocks of round trips / 2.
 
     The methods take turns round trip by round trip, so load from other processes on a shared
     machine hits them alike.
@@ -80,7 +81,9 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]
                     send(method)
             if i >= 1:
                 times[method].append((time.perf_counter() - t0) / block)
-    return {m: sorted(v)[len(v) // 2] / 2 for m, v in times.items()}
+    # best block: on a shared machine other processes only ever add time, so the minimum is the
+    # figure that compares the methods (the median is printed too)
+    return {m: min(v) / 2 for m, v in times.items()}, {m: sorted(v)[len(v) // 2] / 2 for m, v in times.items()}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -98,18 +101,20 @@ def _run(args: argparse.Namespace) -> int:
     rows = []
     for nbytes in sizes:
         it = _iters_for(nbytes, args.iters)
-        res = _pingpong(comm, rank, nbytes, it, ("raw", "ours", "pickle"))
-        rows.append((nbytes, it, res))
+        res, med = _pingpong(comm, rank, nbytes, it, ("raw", "ours", "pickle"))
+        rows.append((nbytes, it, res, med))
     if rank == 0:
         aware, why = cuda_aware_mpi()
         print(f"# transport ping-pong, 2 ranks, {mpi_library_version()}, CUDA-aware: {aware} ({why})")
         print(f"# host {os.uname().nodename}, {os.cpu_count()} cores (shared machine: figures are indicative)")
+        print("# best block of 5 round trips (methods alternate block by block); median ours/raw in the last column")
         head = (f"{'size':>8} {'iters':>5} | {'raw GB/s':>9} {'ours GB/s':>9} {'pickle GB/s':>11} | "
-                f"{'raw us':>8} {'ours us':>8} {'pickle us':>9} | {'ours/raw':>8} {'ours/pickle':>11}")
+                f"{'raw us':>8} {'ours us':>8} {'pickle us':>9} | {'ours/raw':>8} {'ours/pickle':>11} "
+                f"{'median o/r':>10}")
         print(head)
         print("-" * len(head))
         worst = None
-        for nbytes, it, res in rows:
+        for nbytes, it, res, med in rows:
             bw = {m: nbytes / res[m] / 1e9 for m in res}
             ratio = bw["ours"] / bw["raw"]
             if nbytes >= 1 << 20:
@@ -117,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
             label = f"{nbytes >> 20}M" if nbytes >= 1 << 20 else f"{nbytes >> 10}K"
             print(f"{label:>8} {it:>5} | {bw['raw']:>9.2f} {bw['ours']:>9.2f} {bw['pickle']:>11.2f} | "
                   f"{res['raw'] * 1e6:>8.1f} {res['ours'] * 1e6:>8.1f} {res['pickle'] * 1e6:>9.1f} | "
-                  f"{ratio:>8.1%} {bw['ours'] / bw['pickle']:>11.2f}x")
+                  f"{ratio:>8.1%} {bw['ours'] / bw['pickle']:>11.2f}x {med['raw'] / med['ours']:>10.1%}")
         if worst is not None:
             verdict = "met" if worst >= 0.9 else "MISSED"
             print(f"ours/raw bandwidth at >= 1 MiB: worst {worst:.1%} (target >= 90%: {verdict})")

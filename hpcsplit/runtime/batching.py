@@ -34,6 +34,7 @@ class ReadyRequest:
     route: tuple[int, ...]
     rows: tuple[Row, ...]  # one per input slot
     t_ready: float
+    path_us: int = 0  # longest chain of compute upstream of this request (see worker)
 
 
 class JoinBuffer:
@@ -51,31 +52,36 @@ class JoinBuffer:
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
-        self._pending: dict[int, tuple[tuple[int, ...], list[Row | None], float]] = {}
+        self._pending: dict[int, list[Any]] = {}  # id -> [route, rows, t_first, path_us]
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, request_id: int, route: tuple[int, ...], slot: int, row: Row, now: float) -> ReadyRequest | None:
-        """Store one slot of a request; return the request when it is complete."""
+    def add(self, request_id: int, route: tuple[int, ...], slot: int, row: Row, now: float,
+            path_us: int = 0) -> ReadyRequest | None:
+        """Store one slot of a request; return the request when it is complete.
+
+        ``path_us`` is the sender's upstream compute chain; the request keeps the longest of its slots.
+        """
         if self.n_slots == 1:
-            return ReadyRequest(request_id, route, (row,), now)
+            return ReadyRequest(request_id, route, (row,), now, path_us)
         entry = self._pending.get(request_id)
         if entry is None:
-            entry = (route, [None] * self.n_slots, now)
+            entry = [route, [None] * self.n_slots, now, 0]
             self._pending[request_id] = entry
         rows = entry[1]
         if rows[slot] is not None:
             raise ValueError(f"request {request_id}: input slot {slot} arrived twice")
         rows[slot] = row
+        entry[3] = max(entry[3], path_us)
         if any(r is None for r in rows):
             return None
         del self._pending[request_id]
-        return ReadyRequest(request_id, entry[0], tuple(rows), now)  # type: ignore[arg-type]
+        return ReadyRequest(request_id, entry[0], tuple(rows), now, entry[3])
 
     def expire(self, now: float, max_age_s: float) -> list[int]:
         """Drop requests that have waited longer than ``max_age_s`` for their other inputs."""
-        old = [rid for rid, (_, _, t0) in self._pending.items() if now - t0 > max_age_s]
+        old = [rid for rid, e in self._pending.items() if now - e[2] > max_age_s]
         for rid in old:
             del self._pending[rid]
         return old

@@ -50,6 +50,7 @@ class SessionResult:
     done_s: np.ndarray  # NaN where not finished
     status: np.ndarray  # STATUS_*
     wall_s: float
+    path_ms: np.ndarray | None = None  # compute on the request's critical path, measured in the run
 
     @property
     def ok(self) -> np.ndarray:
@@ -123,8 +124,9 @@ class Frontend:
         admit_s = np.full(n, np.nan)
         done_s = np.full(n, np.nan)
         status = np.zeros(n, dtype=np.int8)
-        self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, 0.0)
-        inflight: dict[int, list[Any]] = {}  # idx -> [route, outputs, missing]
+        path_ms = np.full(n, np.nan)
+        self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, 0.0, path_ms)
+        inflight: dict[int, list[Any]] = {}  # idx -> [route, outputs, missing, critical-path us]
         keep = on_done is not None
         backoff = mb.Backoff(deep_sleep_s=self.idle_sleep_s)
         t0 = time.perf_counter()
@@ -166,10 +168,12 @@ class Frontend:
                         if keep:
                             rec[1][meta.slot] = t.narrow(meta.rdim, row, 1)
                         rec[2] -= 1
+                    rec[3] = max(rec[3], h.aux)
                     if rec[2] <= 0:
                         del inflight[idx]
                         self.router.release(rec[0])
                         done_s[idx] = t_now - t0
+                        path_ms[idx] = rec[3] / 1e3
                         status[idx] = STATUS_OK
                         resolved += 1
                         if on_done is not None:
@@ -202,7 +206,7 @@ class Frontend:
                 t = time.perf_counter()
                 backoff.idle(t, wake, bool(self.inbox.pending) or self.outbox.in_flight(t))
         self.outbox.drain(timeout_s=10.0)
-        self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, time.perf_counter() - t0)
+        self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, time.perf_counter() - t0, path_ms)
         return self.partial
 
     def _admit(self, adm: list[int], inflight: dict[int, list[Any]], get_inputs: Callable[..., Any],
@@ -217,7 +221,7 @@ class Frontend:
             route = self.router.assign()
             routes.append(route)
             outs: list[Any] = [None] * self.n_outputs if keep else []
-            inflight[i] = [route, outs, self.n_outputs - len(self._passthrough)]
+            inflight[i] = [route, outs, self.n_outputs - len(self._passthrough), 0]
             admit_s[i] = now
         finished = 0
         if self._passthrough:

@@ -55,13 +55,15 @@ class LevelSummary:
     p99_ms: float
     mean_ms: float
     span_s: float
+    path_p50_ms: float = float("nan")  # compute on the critical path, measured in the run (median)
+    over_path_p50: float = float("nan")  # median over requests of latency / their critical-path compute
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)
 
 
 def summarize(variant: str, offered_qps: float, arrival_s: np.ndarray, done_s: np.ndarray,
-              ok: np.ndarray) -> LevelSummary:
+              ok: np.ndarray, path_ms: np.ndarray | None = None) -> LevelSummary:
     """Summarise one level: success rate, achieved QPS (completions per second of the level), percentiles.
 
     ``done_s`` is NaN for failed requests.  Achieved QPS = successes / (last completion - first arrival).
@@ -84,8 +86,15 @@ def summarize(variant: str, offered_qps: float, arrival_s: np.ndarray, done_s: n
     else:
         span, p50, p90, p99, mean = float("nan"), float("nan"), float("nan"), float("nan"), float("nan")
     achieved = n_ok / span if n_ok and span > 0 else float("nan")
+    path = ratio = float("nan")
+    if path_ms is not None and n_ok:
+        v = np.asarray(path_ms)[ok]
+        good = np.isfinite(v) & (v > 0)
+        if good.any():
+            path = float(np.median(v[good]))
+            ratio = float(np.median(lat[good] / v[good]))
     return LevelSummary(variant, float(offered_qps), n, n_ok, n_ok / n if n else float("nan"), achieved,
-                        p50, p90, p99, mean, span)
+                        p50, p90, p99, mean, span, path, ratio)
 
 
 def improvement_rows(whole: Sequence[LevelSummary], split: Sequence[LevelSummary]) -> list[dict[str, float]]:

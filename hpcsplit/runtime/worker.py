@@ -208,7 +208,7 @@ def serve_component(
                 now = time.perf_counter()
                 for row, (rid, route) in enumerate(zip(h.request_ids, h.routes, strict=True)):
                     for meta, t in zip(h.tensors, m.tensors, strict=True):
-                        ready = join.add(rid, route, meta.slot, Row(t, row, meta.rdim), now)
+                        ready = join.add(rid, route, meta.slot, Row(t, row, meta.rdim), now, h.aux)
                         if ready is not None:
                             batcher.push(ready, now)
                 tracer.span("recv", t_hdr, now, h.request_ids, src=m.source)
@@ -232,7 +232,10 @@ def serve_component(
                 stats["requests"] += len(ids)
                 stats["compute_s"] += t1 - t0
                 stats["max_batch"] = max(stats["max_batch"], len(ids))
-                _send_outputs(comm, outbox, groups, items, outs, flow.out_bdims, tracer)
+                # [Note: critical path in the run] aux of a data message = the longest chain of
+                # compute (us) behind it: upstream's longest + ours.  Exact per request at batch 1.
+                path_us = max(it.path_us for it in items) + int((t1 - t0) * 1e6)
+                _send_outputs(comm, outbox, groups, items, outs, flow.out_bdims, tracer, path_us)
             outbox.reap()
             if now > next_expire:
                 next_expire = now + 1.0
@@ -256,7 +259,7 @@ def serve_component(
 
 
 def _send_outputs(comm: Any, outbox: Any, groups: Any, items: list[Any], outs: tuple[Any, ...],
-                  out_bdims: tuple[tuple[int, ...], ...], tracer: Any) -> None:
+                  out_bdims: tuple[tuple[int, ...], ...], tracer: Any, path_us: int = 0) -> None:
     from hpcsplit.runtime import transport as tp
     from hpcsplit.runtime.batching import take_requests
 
@@ -270,7 +273,7 @@ def _send_outputs(comm: Any, outbox: Any, groups: Any, items: list[Any], outs: t
         for dest, pos in by_rank.items():
             sel = [(slot, take_requests(outs[j], out_bdims[j], pos), out_bdims[j][0]) for j, slot in pairs]
             outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
-                                        [routes[k] for k in pos], sel))
+                                        [routes[k] for k in pos], sel, aux=path_us))
     tracer.span("send", t0, time.perf_counter(), ids)
 
 

@@ -142,7 +142,8 @@ def _job_state(job_id: int) -> str:
         capture_output=True,
         text=True,
     )
-    return a.stdout.strip() or "UNKNOWN"
+    lines = a.stdout.split()  # a requeued job has one line per run: REQUEUED, then the last state
+    return lines[-1] if lines else "UNKNOWN"
 
 
 @pytest.mark.slow

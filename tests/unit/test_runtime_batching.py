@@ -70,3 +70,12 @@ def test_take_requests_matches_running_each_request_alone() -> None:
     assert take_requests(img, (0,), [2, 3]).data_ptr() == img[2].data_ptr()
     assert take_requests(img, (0,), [4, 0]).tolist() == img[[4, 0]].tolist()
     assert take_requests(img.T, (1,), [2]).shape == (4, 1)
+
+
+def test_join_keeps_the_longest_upstream_compute_chain() -> None:
+    j = JoinBuffer(2)
+    j.add(4, (), 0, Row("v", 0), 0.0, path_us=150_000)
+    r = j.add(4, (), 1, Row("t", 0), 0.1, path_us=40_000)
+    assert r is not None and r.path_us == 150_000
+    single = JoinBuffer(1).add(5, (), 0, Row("x", 0), 0.0, path_us=7)
+    assert single is not None and single.path_us == 7

@@ -49,3 +49,11 @@ def test_improvement_rows_and_table() -> None:
     assert rows[0]["throughput_improvement_pct"] == pytest.approx((1.6 / 1.55 - 1) * 100)
     text = format_table(rows)
     assert "Latency Improvement (%)" in text and "50.00" in text
+
+
+def test_summary_reports_the_run_critical_path() -> None:
+    arr = np.arange(3) * 1.0
+    s = summarize("split", 1, arr, arr + 0.2, np.ones(3, bool), np.array([150.0, 160.0, np.nan]))
+    assert s.path_p50_ms == pytest.approx(155.0)
+    assert s.over_path_p50 == pytest.approx(np.median([200 / 150, 200 / 160]))
+    assert np.isnan(summarize("split", 1, arr, arr + 0.2, np.ones(3, bool)).path_p50_ms)

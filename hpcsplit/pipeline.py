@@ -1,0 +1,279 @@
+"""``stage=all``: export -> profile -> analyze -> allocate -> bench, resumable, with ``summary.md``.
+
+[Note: pipeline manifest]
+``RUN_DIR/manifest.json`` records, per stage, the sha256 of its inputs (earlier stages' output
+hashes and the config sections that change its result), the sha256 of its output, its status and
+its result.  A stage is skipped when its status is ``done``, its inputs hash is unchanged and its
+output still hashes to what was recorded; any change re-runs it and, because later stages hash
+its output, everything after it.  Inputs per stage:
+
+* export: ``model``, ``partition``, ``verify``; output: sha256 of ``switchboard/layout.json``
+  (= ``Switchboard.sha256``; program files are checked by ``Switchboard.load(check_all=True)``
+  before a reused switchboard is trusted);
+* profile: switchboard hash, ``profile`` (grid, iterations, device), the cluster's hardware keys;
+  output: sha256 of the HDF5 file (only a *complete* profile counts as done; an incomplete one is
+  resumed by the profiler itself);
+* analyze: profile hash; output: the analysis folder's table;
+* allocate: profile hash, ``allocate``, the cluster without its ``slurm`` block; output: plan hash;
+* bench: plan hash, switchboard hash, ``bench``, ``runtime``, launcher and cluster names.
+
+Continuing a run folder: ``resume=RUN_DIR`` (rewritten to ``hydra.run.dir=RUN_DIR`` by
+:func:`hpcsplit.config.rewrite_argv`); ``+force=[profile]`` (or ``+force=all``) re-runs named stages.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpcsplit.errors import HpcsplitError, LaunchError, ProfileError
+
+__all__ = ["PIPELINE", "load_manifest", "run_pipeline"]
+
+PIPELINE = ("export", "profile", "analyze", "allocate", "bench")
+MANIFEST = "manifest.json"
+_SCHEMA = 1
+_HW_KEYS = ("name", "nodes", "gpus_per_node", "gpu_name", "gpu_mem_gb", "slices_gb", "mig_profiles",
+            "cores_per_node", "mem_gb_per_node", "cpu_threads")
+_PROFILE_SKIP = ("path", "progress", "analysis_dir", "ranks")
+
+Echo = Callable[[str], None]
+
+
+def _sha_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _sha_file(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_manifest(run_dir: Path) -> dict[str, Any]:
+    """The run folder's manifest (an empty one when there is none or it is unreadable)."""
+    try:
+        m = json.loads((Path(run_dir) / MANIFEST).read_text())
+        if isinstance(m, dict) and m.get("schema_version") == _SCHEMA and isinstance(m.get("stages"), dict):
+            return m
+    except (OSError, ValueError):
+        pass
+    return {"schema_version": _SCHEMA, "stages": {}}
+
+
+def _save_manifest(run_dir: Path, m: dict[str, Any]) -> None:
+    tmp = run_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(m, indent=2, default=str))
+    tmp.replace(run_dir / MANIFEST)
+
+
+class _Paths:
+    """Where each stage reads and writes (given paths win over the run folder's files)."""
+
+    def __init__(self, cfg: dict[str, Any], run_dir: Path) -> None:
+        paths = cfg.get("paths") or {}
+        self.sb_given = bool(cfg.get("switchboard"))
+        self.switchboard = Path(cfg.get("switchboard") or run_dir / paths.get("switchboard_dirname", "switchboard"))
+        prof = (cfg.get("profile") or {}).get("path")
+        self.profile = Path(prof or run_dir / paths.get("profile_filename", "profile.h5"))
+        self.plan = run_dir / paths.get("plan_filename", "plan.json")
+        self.analysis = Path((cfg.get("profile") or {}).get("analysis_dir") or run_dir / "analysis")
+        self.bench_summary = run_dir / "bench" / "summary.csv"
+
+
+def _inputs(stage: str, cfg: dict[str, Any], out_sha: dict[str, str | None]) -> dict[str, Any]:
+    cluster = dict(cfg.get("cluster") or {})
+    if stage == "export":
+        return {k: cfg.get(k) for k in ("model", "partition", "verify")}
+    if stage == "profile":
+        prof = {k: v for k, v in (cfg.get("profile") or {}).items() if k not in _PROFILE_SKIP}
+        return {"switchboard": out_sha["export"], "profile": prof, "cluster": {k: cluster.get(k) for k in _HW_KEYS}}
+    if stage == "analyze":
+        return {"profile": out_sha["profile"]}
+    if stage == "allocate":
+        cluster.pop("slurm", None)
+        return {"profile": out_sha["profile"], "allocate": cfg.get("allocate"), "cluster": cluster}
+    return {
+        "plan": out_sha["allocate"],
+        "switchboard": out_sha["export"],
+        "bench": cfg.get("bench"),
+        "runtime": cfg.get("runtime"),
+        "launcher": (cfg.get("launcher") or {}).get("name"),
+        "cluster": cluster.get("name"),
+    }
+
+
+def _output_sha(stage: str, p: _Paths) -> str | None:
+    if stage == "export":
+        return _sha_file(p.switchboard / "layout.json")
+    if stage == "profile":
+        return _sha_file(p.profile)
+    if stage == "analyze":
+        tables = sorted(p.analysis.glob("*.md")) if p.analysis.is_dir() else []
+        return _sha_file(tables[0]) if tables else None
+    if stage == "allocate":
+        return _sha_file(p.plan)
+    return _sha_file(p.bench_summary)
+
+
+def _forced(cfg: dict[str, Any]) -> set[str]:
+    f = cfg.get("force")
+    if f in (None, False, "", []):
+        return set()
+    names = {str(f)} if isinstance(f, str | bool) else {str(x) for x in f}
+    if names & {"all", "True", "true"}:
+        return set(PIPELINE)
+    unknown = names - set(PIPELINE)
+    if unknown:
+        from hpcsplit.errors import ConfigError
+
+        raise ConfigError(f"force = {sorted(unknown)}: needs stage names from {list(PIPELINE)} or 'all'")
+    return names
+
+
+def _check_reused_switchboard(p: _Paths, echo: Echo) -> None:
+    from hpcsplit.switchboard import Switchboard
+
+    Switchboard.load(p.switchboard, check_all=True)  # raises SwitchboardError naming the bad file
+    echo(f"[hpcsplit] switchboard {p.switchboard}: every file matches layout.json")
+
+
+def _stage_cfg(stage: str, cfg: dict[str, Any], p: _Paths) -> dict[str, Any]:
+    c = copy.deepcopy(cfg)
+    c["stage"] = "bench" if stage == "bench" else stage
+    if stage != "export":
+        c["switchboard"] = str(p.switchboard)
+    if stage in ("analyze", "allocate", "bench") and isinstance(c.get("profile"), dict):
+        c["profile"]["path"] = str(p.profile)
+    if stage == "bench":
+        c["plan"] = str(p.plan)
+    return c
+
+
+def _check_result(stage: str, result: Any, p: _Paths, run_dir: Path) -> None:
+    if stage == "profile" and isinstance(result, dict) and not result.get("complete", True):
+        raise ProfileError(
+            f"the profile stopped before the end: {result.get('cells_missing')} of {result.get('cells_total')} "
+            f"cells still missing in {p.profile} (interrupted: {result.get('interrupted')}). What was measured "
+            f"is kept: run the same command with resume={run_dir} to measure only the missing cells."
+        )
+
+
+def run_pipeline(cfg: dict[str, Any], run_dir: Path, echo: Echo, run_stage: Callable[..., Any]) -> dict[str, Any]:
+    """Run every stage of ``stage=all`` that is not up to date; write ``manifest.json`` and ``summary.md``.
+
+    Parameters
+    ----------
+    cfg : dict
+        The resolved, validated config.
+    run_dir : Path
+        The run folder (may hold an earlier run: its up-to-date stages are skipped).
+    echo : callable
+        Where progress lines go.
+    run_stage : callable
+        ``run_stage(stage, cfg, run_dir, echo)`` of :mod:`hpcsplit.launch` (runs one stage).
+
+    Returns
+    -------
+    dict
+        ``stages`` (each stage's result), ``skipped`` (stage -> why), ``summary`` (path), ``plots``.
+
+    Raises
+    ------
+    HpcsplitError
+        The failing stage's error, with a line saying how to resume; ``summary.md`` and the
+        manifest are written first.
+    """
+    from hpcsplit._summary import plots_of, write_summary
+
+    p = _Paths(cfg, run_dir)
+    m = load_manifest(run_dir)
+    m.update(
+        model=(cfg.get("model") or {}).get("name"),
+        launcher=(cfg.get("launcher") or {}).get("name"),
+        cluster=(cfg.get("cluster") or {}).get("name"),
+    )
+    forced = _forced(cfg)
+    out_sha: dict[str, str | None] = {}
+    results: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    failure: str | None = None
+    try:
+        for stage in PIPELINE:
+            inputs_sha = _sha_json(_inputs(stage, cfg, out_sha))
+            prev = m["stages"].get(stage) or {}
+            have = _output_sha(stage, p)
+            if stage == "export" and p.sb_given:
+                _check_reused_switchboard(p, echo)
+                out_sha[stage] = have
+                skipped[stage] = f"switchboard={p.switchboard} given"
+                echo(f"[hpcsplit] stage export: skipped ({skipped[stage]})")
+                m["stages"][stage] = {"status": "given", "inputs_sha256": inputs_sha, "outputs_sha256": have}
+                continue
+            up_to_date = (
+                stage not in forced
+                and prev.get("status") == "done"
+                and prev.get("inputs_sha256") == inputs_sha
+                and have is not None
+                and prev.get("outputs_sha256") == have
+            )
+            if up_to_date:
+                if stage == "export":
+                    _check_reused_switchboard(p, echo)
+                out_sha[stage] = have
+                results[stage] = prev.get("result")
+                skipped[stage] = "inputs unchanged"
+                echo(f"[hpcsplit] stage {stage}: up to date (inputs {inputs_sha[:12]} unchanged); skipped")
+                continue
+            m["stages"][stage] = {"status": "running", "inputs_sha256": inputs_sha, "started": time.time()}
+            _save_manifest(run_dir, m)
+            t0 = time.monotonic()
+            echo(f"[hpcsplit] stage {stage}: starting")
+            try:
+                result = run_stage(stage, _stage_cfg(stage, cfg, p), run_dir, echo)
+                _check_result(stage, result, p, run_dir)
+            except BaseException as e:
+                m["stages"][stage].update(status="failed", error=f"{type(e).__name__}: {e}"[:2000],
+                                          wall_s=time.monotonic() - t0)
+                raise
+            wall = time.monotonic() - t0
+            echo(f"[hpcsplit] stage {stage}: done in {wall:.1f} s")
+            out_sha[stage] = _output_sha(stage, p)
+            if out_sha[stage] is None:
+                raise LaunchError(f"stage {stage} finished but wrote no output where the pipeline expects it "
+                                  f"({p.switchboard if stage == 'export' else p.profile if stage == 'profile' else run_dir})")
+            m["stages"][stage] = {"status": "done", "inputs_sha256": inputs_sha, "outputs_sha256": out_sha[stage],
+                                  "wall_s": wall, "finished": time.time(), "result": result}
+            results[stage] = result
+            _save_manifest(run_dir, m)
+    except HpcsplitError as e:
+        failure = f"{type(e).__name__}: {e}"
+        hint = (f"\n\nResults so far are kept in {run_dir} (see summary.md, manifest.json). After fixing "
+                f"the problem, continue with the same command plus resume={run_dir}: finished stages are skipped.")
+        try:
+            again = type(e)(f"{e}{hint}")
+        except Exception:  # noqa: BLE001 - an error class with another signature: keep it as it is
+            raise e from None
+        raise again from e
+    except KeyboardInterrupt:
+        failure = "interrupted (Ctrl-C)"
+        raise
+    finally:
+        _save_manifest(run_dir, m)
+        summary = write_summary(run_dir, m, switchboard=p.switchboard if p.switchboard.is_dir() else None,
+                                profile=p.profile, plan=p.plan, bench_result=results.get("bench"),
+                                failure=failure)
+        echo(f"[hpcsplit] summary: {summary}")
+    plots = [str(x) for x in plots_of(run_dir)]
+    if plots:
+        echo("[hpcsplit] plots:\n" + "\n".join(f"  {x}" for x in plots))
+    return {"stages": results, "skipped": skipped, "summary": str(summary), "plots": plots}

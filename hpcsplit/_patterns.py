@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,7 +209,9 @@ def _solve_milp(base: _Base, k: int, fixed: Mapping[int, float], solver: str, ti
         cons.append(zp[sel] <= ub[perm][sel])
     prob = cp.Problem(cp.Minimize(c[perm] @ zp), cons)
     try:
-        prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap), **(extra or {}))
+        with warnings.catch_warnings():  # a time-limited solve warns "inaccurate"; we check the point
+            warnings.filterwarnings("ignore", message="Solution may be inaccurate")
+            prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap), **(extra or {}))
     except cp.error.SolverError as e:
         return None, f"solver error: {e}", math.inf
     upper = _dual_bound(prob)
@@ -441,7 +444,7 @@ def solve_patterns(
         if used != "generate":
             return False
         n_before.append(len(cols))
-        added = _neighbour_columns(instance, cols, seen, z, limit=max(0, max_patterns - len(cols)))
+        added = _neighbour_columns(instance, cols, seen, z, limit=max(0, min(1500, max_patterns - len(cols))))
         if added:
             notes.append(f"stage 1: {added} neighbour patterns of the integer solution tried")
         return added > 0

@@ -448,7 +448,7 @@ def _check_slots(instance: _P.Instance, names: list[str], cluster: ClusterSpec, 
 
 # ----------------------------------------------------------------------------------------- allocate
 def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_weights: Mapping[str, float] | None = None,
-             slo_ms: float | Mapping[str, float] | None = None, solver: str = "HIGHS", time_limit_s: float = 60.0,
+             slo_ms: float | Mapping[str, float] | None = None, solver: str = "HIGHS", time_limit_s: float = 30.0,
              **options: Any) -> Allocation:
     """Place replicas of every component on the cluster, leximin-fair in throughput.
 

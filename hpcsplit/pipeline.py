@@ -147,6 +147,22 @@ def _check_reused_switchboard(p: _Paths, echo: Echo) -> None:
     echo(f"[hpcsplit] switchboard {p.switchboard}: every file matches layout.json")
 
 
+def _set_aside_old_profile(p: _Paths, prev: dict[str, Any], inputs_sha: str, forced: bool, run_dir: Path,
+                           echo: Echo) -> None:
+    """A profile of other inputs (or a forced re-run) is renamed, never resumed into or deleted.
+
+    The same inputs (an interrupted profile) are left in place: the profiler resumes them.
+    """
+    old_inputs = prev.get("inputs_sha256")
+    if not p.profile.exists() or p.profile.parent != run_dir or not (forced or old_inputs not in (None, inputs_sha)):
+        return
+    keep = p.profile.with_name(f"{p.profile.stem}.{str(old_inputs or 'old')[:8]}{p.profile.suffix}")
+    p.profile.replace(keep)
+    for part in p.profile.parent.glob(p.profile.name + ".part*"):
+        part.replace(keep.with_name(keep.name + part.name[len(p.profile.name):]))
+    echo(f"[hpcsplit] the profile's inputs changed{' (forced)' if forced else ''}: kept the old one as {keep}")
+
+
 def _stage_cfg(stage: str, cfg: dict[str, Any], p: _Paths) -> dict[str, Any]:
     c = copy.deepcopy(cfg)
     c["stage"] = "bench" if stage == "bench" else stage
@@ -234,6 +250,8 @@ def run_pipeline(cfg: dict[str, Any], run_dir: Path, echo: Echo, run_stage: Call
                 skipped[stage] = "inputs unchanged"
                 echo(f"[hpcsplit] stage {stage}: up to date (inputs {inputs_sha[:12]} unchanged); skipped")
                 continue
+            if stage == "profile":
+                _set_aside_old_profile(p, prev, inputs_sha, stage in forced, run_dir, echo)
             m["stages"][stage] = {"status": "running", "inputs_sha256": inputs_sha, "started": time.time()}
             _save_manifest(run_dir, m)
             t0 = time.monotonic()

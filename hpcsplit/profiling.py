@@ -257,7 +257,8 @@ def profile_components(
     Returns
     -------
     dict
-        ``{"path", "cells_measured", "cells_total", "complete", "interrupted", "wall_s"}``.
+        ``path``, ``cells_measured`` (now), ``cells_requested``, ``cells_missing`` (in the file),
+        ``complete``, ``interrupted``, ``signal`` (name of the signal that stopped it), ``wall_s``.
 
     Raises
     ------
@@ -271,6 +272,15 @@ def profile_components(
     unknown = [n for n in names if n not in sb.components]
     if unknown:
         raise ProfileError(f"unknown component(s) {unknown}; the switchboard has {list(sb.components)}")
+    bad = []
+    if not batch_sizes or min(batch_sizes) < 1 or list(batch_sizes) != sorted(set(batch_sizes)):
+        bad.append(f"batch_sizes={list(batch_sizes)} (need increasing positive integers)")
+    if not slices or min(slices) <= 0 or list(slices) != sorted(set(slices)):
+        bad.append(f"slices={list(slices)} (need increasing positive numbers)")
+    if iters < 1 or warmup < 0:
+        bad.append(f"iters={iters}, warmup={warmup} (need iters >= 1, warmup >= 0)")
+    if bad:
+        raise ProfileError("cannot profile with " + "; ".join(bad))
     kind = device_kind or ("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     s = ProfileSettings(
@@ -330,6 +340,7 @@ def profile_components(
                     break
             complete = writer.finish()
             signum = stop.signum
+            interrupted = stop.stopped and not complete
         left = len(writer.missing_cells())
     finally:
         writer.close()

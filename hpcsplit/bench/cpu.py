@@ -75,8 +75,8 @@ def _child(args: argparse.Namespace) -> int:
             time.sleep(args.idle_s)
             for r in (1, 2):
                 comm.Send([np.zeros(1), MPI.DOUBLE], dest=r, tag=5)
-            res = [comm.recv(source=r, tag=6) for r in (1, 2)]
-            print(_RESULT + json.dumps({"idle_cpu_pct": [x["cpu_pct"] for x in res]}), flush=True)
+            got = [comm.recv(source=r, tag=6) for r in (1, 2)]
+            print(_RESULT + json.dumps({"idle_cpu_pct": [x["cpu_pct"] for x in got]}), flush=True)
         else:
             c0, t0 = cpu_seconds(), time.perf_counter()
             comm.Recv([np.zeros(1), MPI.DOUBLE], source=0, tag=5)
@@ -93,8 +93,8 @@ def _child(args: argparse.Namespace) -> int:
             def fn(x: torch.Tensor) -> torch.Tensor:
                 return x + 1
 
-        st = serve_component(comm, df, df.rank_component[rank], fn, args.batch, 0.0)
-        req = comm.isend(st, dest=0, tag=9)
+        counters = serve_component(comm, df, df.rank_component[rank], fn, args.batch, 0.0)
+        req = comm.isend(counters, dest=0, tag=9)
         tp.wait_polling(req.Test)
         return 0
     fe = Frontend(comm, df)

@@ -203,8 +203,8 @@ class Frontend:
                 backoff.reset()
             else:
                 wake = t0 + arrivals[next_i] if next_i < n and len(inflight) < max_inflight else None
-                t = time.perf_counter()
-                backoff.idle(t, wake, bool(self.inbox.pending) or self.outbox.in_flight(t))
+                t_idle = time.perf_counter()
+                backoff.idle(t_idle, wake, bool(self.inbox.pending) or self.outbox.in_flight(t_idle))
         self.outbox.drain(timeout_s=10.0)
         self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, time.perf_counter() - t0, path_ms)
         return self.partial

@@ -247,13 +247,13 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
     for name in names:
         if name not in planned:
             problems.append(f"component {name!r} has no rank in the plan")
-    for n in (*graph.inputs, *graph.outputs, *(p for c in graph.components for p in (*c[1], *c[2]))):
-        if not graph.bdims(n):
-            problems.append(f"value {n!r} has no batch dim; the runtime sends each request's slice of "
+    for value in (*graph.inputs, *graph.outputs, *(p for c in graph.components for p in (*c[1], *c[2]))):
+        if not graph.bdims(value):
+            problems.append(f"value {value!r} has no batch dim; the runtime sends each request's slice of "
                             "every value, so every value needs one (re-export with a symbolic batch)")
-    for n in graph.inputs:
-        if len(graph.bdims(n)) > 1:
-            problems.append(f"model input {n!r} has several batch dims {graph.bdims(n)}; inputs need one")
+    for value in graph.inputs:
+        if len(graph.bdims(value)) > 1:
+            problems.append(f"model input {value!r} has several batch dims {graph.bdims(value)}; inputs need one")
     if problems:
         raise PlanError(
             "the plan and the switchboard do not fit together:\n  - " + "\n  - ".join(problems)

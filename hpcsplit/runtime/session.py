@@ -313,7 +313,7 @@ def write_outputs(path: str | Path, names: tuple[str, ...], arrays: list[np.ndar
     data["done"] = done.astype(bool)
     data["latency_ms"] = latency_ms
     if path.suffix == ".npz":
-        np.savez(path, **data)
+        np.savez(path, **data)  # type: ignore[arg-type]
     else:
         import h5py
 

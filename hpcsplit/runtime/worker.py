@@ -251,8 +251,8 @@ def serve_component(
             if worked:
                 backoff.reset()
             else:
-                t = time.perf_counter()
-                backoff.idle(t, batcher.deadline(), bool(inbox.pending) or outbox.in_flight(t))
+                t_idle = time.perf_counter()
+                backoff.idle(t_idle, batcher.deadline(), bool(inbox.pending) or outbox.in_flight(t_idle))
     wall = time.perf_counter() - t_start
     stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join))
     return stats

@@ -87,7 +87,7 @@ def test_malformed_switchboard(toy_run: Path, tmp_path: Path) -> None:
 def test_tampered_switchboard_in_a_resumed_run(toy_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(toy_run, run)
-    prog = sorted((run / "switchboard" / "programs").glob("*.pt2"))[0]
+    prog = min((run / "switchboard" / "programs").glob("*.pt2"))
     data = bytearray(prog.read_bytes())
     data[len(data) // 2] ^= 0xFF
     prog.write_bytes(bytes(data))
@@ -176,3 +176,15 @@ def test_rank_crash_keeps_earlier_stages(toy_run: Path, tmp_path: Path) -> None:
     stages = json.loads((run / "manifest.json").read_text())["stages"]
     assert stages["bench"]["status"] == "failed" and stages["profile"]["outputs_sha256"] == profile_sha
     assert "FAILED" in (run / "summary.md").read_text()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_changed_profile_settings_set_the_old_profile_aside(toy_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(toy_run, run)
+    rc, out = _run(run, *[a for a in FAST if not a.startswith("profile.iters")], "profile.iters=4")
+    assert rc == 0, out[-3000:]
+    assert "stage export: up to date" in out and "kept the old one as" in out
+    assert list(run.glob("profile.*.h5")) and (run / "profile.h5").is_file()

@@ -195,3 +195,53 @@ def test_preempted_profile_job_is_requeued_and_keeps_cells(
     from hpcsplit.profile_io import read_profile
 
     assert read_profile(run / "profile.h5").complete
+
+
+# -------------------------------------------------------------------------------- plain sbatch scripts
+
+
+def _sbatch_wait(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sbatch", "--wait", *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(1200)
+def test_bench_sbatch_script(toy_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
+    src, first = toy_run
+    assert first.returncode == 0
+    run = tmp_path / "run"
+    shutil.copytree(src, run, ignore=shutil.ignore_patterns("bench", "worker.*", "slurm"))
+    world = len(json.loads((run / "plan.json").read_text())["ranks"])
+    over = ["+experiment=toy", "cluster=dev", "bench.qps=[20]", "bench.duration_s=1", "bench.warmup_s=0.2"]
+    # the wrong task count is refused with the right one in the message
+    bad = _sbatch_wait("--ntasks=2", f"--output={run}/bad.out", "slurm/bench.sbatch", str(run), *over)
+    assert bad.returncode != 0
+    assert f"the plan needs {world} MPI ranks but this job has SLURM_NTASKS=2" in (run / "bad.out").read_text()
+    res = _sbatch_wait(f"--ntasks={world}", f"--output={run}/ok.out", "slurm/bench.sbatch", str(run), *over)
+    log = (run / "ok.out").read_text()
+    assert res.returncode == 0, log[-3000:]
+    out = json.loads((run / "worker.mpi_main.result.json").read_text())
+    assert out["mode"] == "bench" and out["variants"]["split"]["end_to_end"]["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_pipeline_sbatch_chains_jobs_with_dependencies(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    over = ["+experiment=toy", "cluster=dev", "profile.max_batch=2", "profile.iters=3", "bench.qps=[20]",
+            "bench.duration_s=1", "bench.warmup_s=0.2"]
+    res = subprocess.run(["bash", "slurm/pipeline.sbatch", str(run), *over], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    ids = re.search(r"export (\d+) -> profile (\d+) -> allocate (\d+)", res.stdout)
+    assert ids, res.stdout
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline and not (run / "worker.mpi_main.result.json").exists():
+        time.sleep(3)
+    out = json.loads((run / "worker.mpi_main.result.json").read_text())
+    assert out["mode"] == "bench" and out["variants"]["split"]["end_to_end"]["samples"] >= 1
+    from hpcsplit.profile_io import read_profile
+
+    assert read_profile(run / "profile.h5").complete and (run / "plan.json").is_file()

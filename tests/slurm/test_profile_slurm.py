@@ -131,11 +131,16 @@ def test_sbatch_failing_job_surfaces_its_error(tmp_path: Path, in_repo: None) ->
 
 
 def _job_state(job_id: int) -> str:
+    """squeue while queued or running, then scontrol (kept MinJobAge), then sacct (last run's state)."""
     q = subprocess.run(
         ["squeue", "-h", "-j", str(job_id), "-o", "%T"], check=False, capture_output=True, text=True
     )
     if q.stdout.strip():
         return q.stdout.strip()
+    c = subprocess.run(["scontrol", "show", "job", str(job_id)], check=False, capture_output=True, text=True)
+    for word in c.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
     a = subprocess.run(
         ["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "State"],
         check=False,
@@ -154,7 +159,7 @@ def test_sbatch_usr2_flushes_requeues_and_finishes(tmp_path: Path, in_repo: None
     cfg_path.write_text(json.dumps(cfg))
     job_id, _ = _sbatch(tmp_path, str(cfg_path), wait=False, env={"HPCSPLIT_PROFILE_ENTRY": TOY_ENTRY})
     log = tmp_path / "job.out"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600  # SLURM holds a requeued batch job about 2 minutes (BeginTime)
     while time.monotonic() < deadline and "profile 2/" not in (log.read_text() if log.exists() else ""):
         time.sleep(1)
     # what SLURM sends before the time limit (--signal=USR2@120), to every rank of the step

@@ -310,3 +310,11 @@ def test_several_profiles_are_merged_and_names_must_differ():
     assert set(al.throughput_rps) == {"enc", "dec", "head"} and al.model == "m1+m2"
     with pytest.raises(AllocationError, match="'enc' appears in two profiles"):
         allocate([a, a], gpu_cluster(gpus=2))
+
+
+def test_bench_runs_on_a_small_case(capsys):
+    from hpcsplit.bench.allocate import main
+
+    assert main(["--gpus", "4", "--components", "3", "--solvers", "HIGHS,NOSUCH"]) == 0
+    out = capsys.readouterr().out
+    assert "NOSUCH" in out and "    4     3  HIGHS" in out

@@ -298,14 +298,11 @@ def test_cli_reports_config_problems_and_exits_1(tmp_path: Path) -> None:
     assert "stage = 'nope'" in res.stderr and "cluster='local' has none" in res.stderr
 
 
-def test_all_skips_missing_stages_and_says_which(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_all_stops_at_a_missing_stage_and_keeps_a_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(launch.LOCAL_STAGES, "export", ("hpcsplit.no_such_module", "run_export"))
     lines: list[str] = []
-    out = launch.main({**_cfg(), "stage": "all"}, tmp_path, echo=lines.append)
-    skipped = out["result"]["skipped"]
-    assert list(skipped) == ["export", "profile", "allocate", "bench"]
-    assert "does not exist yet" in skipped["export"]
-    assert "needs a switchboard" in skipped["profile"] and "needs a plan" in skipped["bench"]
-    assert any("NOT AVAILABLE" in x and "export" in x for x in lines)
-    assert str(tmp_path) in lines[-1]  # says where the outputs are
-    assert (tmp_path / "launch.json").exists()
+    with pytest.raises(LaunchError) as ei:
+        launch.main({**_cfg(), "stage": "all"}, tmp_path, echo=lines.append)
+    assert "stage=export is not available" in str(ei.value) and f"resume={tmp_path}" in str(ei.value)
+    assert "FAILED" in (tmp_path / "summary.md").read_text()
+    assert any(str(tmp_path / "summary.md") in x for x in lines)  # says where the summary is

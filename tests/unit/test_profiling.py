@@ -117,6 +117,8 @@ def test_component_subset_and_unknown_component(tmp_path: Path) -> None:
     assert list(read_profile(out).components) == ["head"]
     with pytest.raises(ProfileError, match=r"unknown component\(s\) \['tail'\]"):
         profile_components(ToySwitchboard(), out=tmp_path / "x.h5", components=["tail"], **GRID)
+    with pytest.raises(ProfileError, match=r"batch_sizes=\[4, 2\] \(need increasing"):
+        profile_components(ToySwitchboard(), out=tmp_path / "y.h5", **{**GRID, "batch_sizes": [4, 2]})
 
 
 def test_threads_slice_is_applied_and_restored(tmp_path: Path) -> None:

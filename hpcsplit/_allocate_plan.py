@@ -32,31 +32,56 @@ def allocation_to_plan(alloc: Allocation) -> Plan:
     next_rep: dict[str, int] = defaultdict(int)
     for r in reps:
         c = r.option.component
-        threads = (_gpu_threads(cl, r.node, per_node[r.node], alloc.frontend_cores) if cl.is_gpu
-                   else int(r.option.slice_size))
-        ranks.append(RankEntry(
-            rank=len(ranks), role="component", node=r.node, gpu=r.gpu,
-            slice_gb=float(r.option.slice_size) if cl.is_gpu else None, threads=threads, component=c,
-            batch_size=r.option.batch_size, replica=next_rep[c],
-        ))
+        threads = (
+            _gpu_threads(cl, r.node, per_node[r.node], alloc.frontend_cores)
+            if cl.is_gpu
+            else int(r.option.slice_size)
+        )
+        ranks.append(
+            RankEntry(
+                rank=len(ranks),
+                role="component",
+                node=r.node,
+                gpu=r.gpu,
+                slice_gb=float(r.option.slice_size) if cl.is_gpu else None,
+                threads=threads,
+                component=c,
+                batch_size=r.option.batch_size,
+                replica=next_rep[c],
+            )
+        )
         next_rep[c] += 1
     used = sorted({r.node for r in reps} | {0})
     meta = {
-        "cluster": cl.name, "weights": dict(alloc.weights), "leximin": list(alloc.leximin),
-        "frontend_cores": alloc.frontend_cores, "solve": alloc.solve,
+        "cluster": cl.name,
+        "weights": dict(alloc.weights),
+        "leximin": list(alloc.leximin),
+        "frontend_cores": alloc.frontend_cores,
+        "solve": alloc.solve,
         "latency_ms": {str(i + 1): r.option.latency_ms for i, r in enumerate(reps)},
         "nodes_used": used,
     }
     return Plan(
-        model=alloc.model, switchboard_sha256=alloc.switchboard_sha256, device_kind=cl.device_kind,
-        nodes=cl.nodes, ranks=tuple(ranks), predicted_throughput_rps=dict(alloc.throughput_rps),
-        utilization=dict(alloc.device_utilization), meta=meta,
+        model=alloc.model,
+        switchboard_sha256=alloc.switchboard_sha256,
+        device_kind=cl.device_kind,
+        nodes=cl.nodes,
+        ranks=tuple(ranks),
+        predicted_throughput_rps=dict(alloc.throughput_rps),
+        utilization=dict(alloc.device_utilization),
+        meta=meta,
     )
 
 
-def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *,
-                  util_limit: float | None = None, frontend_cores: int | None = None,
-                  cpu_mem_fraction: float = 0.9) -> list[str]:
+def plan_problems(
+    plan: Plan,
+    profiles: Any,
+    cluster: ClusterSpec | Mapping[str, Any],
+    *,
+    util_limit: float | None = None,
+    frontend_cores: int | None = None,
+    cpu_mem_fraction: float = 0.9,
+) -> list[str]:
     """Every way the plan breaks memory, utilization, layouts or core budgets (empty when valid).
 
     Figures are recomputed from the profiles, not taken from the plan.
@@ -75,8 +100,10 @@ def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str,
         p.append(f"plan is for {plan.device_kind} but cluster {cluster.name!r} is {cluster.device_kind}")
     if plan.nodes > cluster.nodes:
         p.append(f"plan uses {plan.nodes} nodes, cluster has {cluster.nodes}")
-    opts = {c: {(o.batch_size, o.slice_size): o for o in component_options(cp, cluster, slo_quantile=q)}
-            for c, cp in comps.items()}
+    opts = {
+        c: {(o.batch_size, o.slice_size): o for o in component_options(cp, cluster, slo_quantile=q)}
+        for c, cp in comps.items()
+    }
     missing = sorted(set(comps) - {r.component for r in plan.ranks if r.component})
     if missing:
         p.append(f"components without a replica: {missing}")
@@ -120,7 +147,9 @@ def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str,
                 if not any(all(cnt[s] <= Counter(lay)[s] for s in cnt) for lay in cluster.slice_layouts):
                     p.append(f"device {key}: slices {sorted(sl)} fit none of the allowed layouts")
             elif sum(sl) > cluster.gpu_mem_gb + 1e-6:
-                p.append(f"device {key}: slices {sorted(sl)} sum to {sum(sl):g} GB > {cluster.gpu_mem_gb:g} GB")
+                p.append(
+                    f"device {key}: slices {sorted(sl)} sum to {sum(sl):g} GB > {cluster.gpu_mem_gb:g} GB"
+                )
     else:
         for node, t in node_threads.items():
             cap = cluster.cores_per_node - (fcores if node == 0 else 0)
@@ -129,8 +158,10 @@ def plan_problems(plan: Plan, profiles: Any, cluster: ClusterSpec | Mapping[str,
             if t > cap:
                 p.append(f"node {node}: component ranks use {t} threads, {cap} cores are available")
             if node_mem[node] > cluster.mem_bytes_per_node * cpu_mem_fraction * (1 + 1e-9):
-                p.append(f"node {node}: ranks need {node_mem[node] / GIB:.2f} GB of host memory, "
-                         f"{cluster.mem_gb_per_node * cpu_mem_fraction:.2f} GB are usable")
+                p.append(
+                    f"node {node}: ranks need {node_mem[node] / GIB:.2f} GB of host memory, "
+                    f"{cluster.mem_gb_per_node * cpu_mem_fraction:.2f} GB are usable"
+                )
     for c, v in plan.predicted_throughput_rps.items():
         if not math.isclose(v, thr.get(c, 0.0), rel_tol=1e-6, abs_tol=1e-9):
             p.append(f"component {c!r}: plan predicts {v:.6g} req/s, the profile gives {thr.get(c, 0.0):.6g}")
@@ -168,21 +199,36 @@ def plot_plan(plan: Plan, path: str | Path, *, max_devices: int = 128) -> Path |
         x = 0.0
         for r in rows[key]:
             w = float(r.slice_gb if r.slice_gb is not None else r.threads)
-            ax.add_patch(Rectangle((x, y + 0.1), w, 0.8, facecolor=colour[r.component or ""], edgecolor="black", lw=0.5))
+            ax.add_patch(
+                Rectangle(
+                    (x, y + 0.1), w, 0.8, facecolor=colour[r.component or ""], edgecolor="black", lw=0.5
+                )
+            )
             if len(shown) <= 64:
                 ax.text(x + w / 2, y + 0.5, f"b{r.batch_size}", ha="center", va="center", fontsize=6)
             x += w
         width = max(width, x)
-        ax.text(-0.01, y + 0.5, f"{key} {plan.utilization.get(key, 0):.0%}", ha="right", va="center",
-                fontsize=7, transform=ax.get_yaxis_transform())
+        ax.text(
+            -0.01,
+            y + 0.5,
+            f"{key} {plan.utilization.get(key, 0):.0%}",
+            ha="right",
+            va="center",
+            fontsize=7,
+            transform=ax.get_yaxis_transform(),
+        )
     ax.set_xlim(0, max(width, 1))
     ax.set_ylim(len(shown), 0)
     ax.set_yticks([])
     ax.set_xlabel("slice size (GB)" if plan.device_kind == "cuda" else "threads")
     more = f" (first {max_devices} of {len(keys)} devices)" if len(keys) > max_devices else ""
     ax.set_title(f"{plan.model}: {plan.world_size} ranks{more}", fontsize=9)
-    ax.legend(handles=[Patch(color=colour[c], label=c) for c in comps], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    ax.legend(
+        handles=[Patch(color=colour[c], label=c) for c in comps],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

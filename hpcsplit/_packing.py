@@ -12,11 +12,22 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import LinearConstraint, milp
 
-__all__ = ["DeviceKind", "Instance", "Item", "Pattern", "enumerate_patterns", "pattern_fits", "price_pattern"]
+__all__ = [
+    "DeviceKind",
+    "Instance",
+    "Item",
+    "Pattern",
+    "enumerate_patterns",
+    "neighbour_columns",
+    "pattern_fits",
+    "price_pattern",
+    "seed_pool",
+]
 
 _GRID = 1000  # steps of the second knapsack resource in DP pricing
 _GRID_FINE = 4000  # for the optimistic DP that bounds the LP once column generation converged
 Pattern = tuple[tuple[int, int], ...]  # ((item index in kind.items, count), ...), sorted
+
 
 @dataclass(frozen=True, slots=True)
 class Item:
@@ -58,6 +69,7 @@ class Instance:
     @property
     def active(self) -> tuple[int, ...]:
         return tuple(c for c in range(self.n_comp) if self.weights[c] > 0)
+
 
 def _usage(kind: DeviceKind, counts: dict[int, int]) -> tuple[tuple[int, ...], float, float, int]:
     slice_counts = [0] * len(kind.slice_sizes)
@@ -196,7 +208,9 @@ def _undominated(kind: DeviceKind, values: np.ndarray) -> np.ndarray:
     return np.array(sorted(keep), int)
 
 
-def _dp_price(kind: DeviceKind, values: np.ndarray, *, grid: int, optimistic: bool) -> tuple[float, Pattern] | None:
+def _dp_price(
+    kind: DeviceKind, values: np.ndarray, *, grid: int, optimistic: bool
+) -> tuple[float, Pattern] | None:
     """Unbounded 2-D knapsack by dynamic programming: exact over slice units, the second resource
     (utilization on GPU, host memory on CPU) on a grid of ``grid`` steps.
 
@@ -268,8 +282,9 @@ def _dp_price(kind: DeviceKind, values: np.ndarray, *, grid: int, optimistic: bo
     return best, pat
 
 
-def price_pattern(kind: DeviceKind, values: np.ndarray, *, time_limit_s: float | None = None,
-                  with_bound: bool = False):
+def price_pattern(
+    kind: DeviceKind, values: np.ndarray, *, time_limit_s: float | None = None, with_bound: bool = False
+):
     """The pattern of ``kind`` with the largest total item value (a small knapsack MILP, exact).
 
     ``values[i]`` is item i's value; items with value <= 0 are left out.  Returns
@@ -335,3 +350,73 @@ def price_pattern(kind: DeviceKind, values: np.ndarray, *, time_limit_s: float |
         pat = tuple(sorted(d.items()))
     val = float(sum(values[i] * k for i, k in pat))
     return (val, pat, max(val, upper)) if with_bound else (val, pat)
+
+
+# ------------------------------------------------------------------------------------ pattern pools
+def seed_pool(instance: Instance) -> list[list[Pattern]]:
+    pools: list[list[Pattern]] = []
+    for kind in instance.kinds:
+        pool: list[Pattern] = []
+        for c in range(instance.n_comp):
+            v = np.array([it.throughput_rps if it.comp == c else 0.0 for it in kind.items])
+            if v.any():
+                v = v / max(v.max(), 1e-12)
+                fast = _dp_price(kind, v, grid=_GRID, optimistic=False)
+                _, pat = fast if fast is not None else price_pattern(kind, v)
+                if pat and pat not in pool:
+                    pool.append(pat)
+        # one replica of every component, if that fits: keeps small instances feasible
+        mix: dict[int, int] = {}
+        for c in range(instance.n_comp):
+            for i in sorted(
+                (i for i, it in enumerate(kind.items) if it.comp == c),
+                key=lambda i: kind.items[i].utilization,
+            ):
+                mix[i] = 1
+                if pattern_fits(kind, mix):
+                    break
+                del mix[i]
+        if mix and tuple(sorted(mix.items())) not in pool:
+            pool.append(tuple(sorted(mix.items())))
+        pools.append(pool)
+    return pools
+
+
+def neighbour_columns(
+    instance: Instance,
+    cols: list[tuple[int, Pattern]],
+    seen: set[tuple[int, Pattern]],
+    z: np.ndarray,
+    *,
+    limit: int,
+) -> int:
+    """Add the patterns one swap (or one addition) away from those the integer solution uses.
+
+    LP pricing only finds patterns the LP likes; the integer optimum often needs a near miss.
+    """
+    added = 0
+    for j in np.flatnonzero(z > 0.5):
+        kk, pat = cols[int(j)]
+        kind = instance.kinds[kk]
+        base = dict(pat)
+        for drop in [None, *base]:
+            cand = dict(base)
+            if drop is not None:
+                cand[drop] -= 1
+                if not cand[drop]:
+                    del cand[drop]
+            for i in range(len(kind.items)):
+                if i == drop:
+                    continue
+                cand[i] = cand.get(i, 0) + 1
+                key = (kk, tuple(sorted(cand.items())))
+                if key not in seen and pattern_fits(kind, cand):
+                    if added >= limit:
+                        return added
+                    cols.append(key)
+                    seen.add(key)
+                    added += 1
+                cand[i] -= 1
+                if not cand[i]:
+                    del cand[i]
+    return added

@@ -44,8 +44,10 @@ from hpcsplit._packing import (
     Pattern,
     _dp_price,
     enumerate_patterns,
+    neighbour_columns,
     pattern_fits,
     price_pattern,
+    seed_pool,
 )
 
 __all__ = [
@@ -185,11 +187,16 @@ def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float) -> dict:
     return {}
 
 
-def _solve_milp(base: _Base, k: int, fixed: Mapping[int, float], solver: str, time_limit_s: float,
-                mip_rel_gap: float, extra: dict | None = None) -> tuple[np.ndarray | None, str, float]:
-    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf).
-
-    """
+def _solve_milp(
+    base: _Base,
+    k: int,
+    fixed: Mapping[int, float],
+    solver: str,
+    time_limit_s: float,
+    mip_rel_gap: float,
+    extra: dict | None = None,
+) -> tuple[np.ndarray | None, str, float]:
+    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf)."""
     import cvxpy as cp
 
     c, A, b, lb, ub, _ = _stage(base, k, fixed, slack=None)
@@ -309,23 +316,38 @@ def _leximin(
             held = z_best if z_best is not None else (fallback() if fallback else None)
             if held is not None:
                 held = _pad(held, base)
-            if held is not None and _feasible(base, held, k, fixed) and (
-                z is None or _sum_smallest(base.Y @ held, k) > _sum_smallest(base.Y @ z, k)
+            if (
+                held is not None
+                and _feasible(base, held, k, fixed)
+                and (z is None or _sum_smallest(base.Y @ held, k) > _sum_smallest(base.Y @ z, k))
             ):
                 z = held
         if z is None:
             raise _Infeasible(status)
         val = _sum_smallest(base.Y @ z, k)
-        if improve is not None and pos == 0 and bound < math.inf and val < bound * (1 - 0.02) and improve(z):
-            # the pool was widened around this solution: solve stage 1 once more, keep the better
+        rounds = 0
+        while (
+            improve is not None
+            and pos == 0
+            and rounds < _IMPROVE_ROUNDS
+            and bound < math.inf
+            and val < bound * (1 - _IMPROVE_GAP)
+            and time.perf_counter() - t0 < time_limit_s / 2
+            and improve(z)
+        ):
+            # local search over patterns: widen the pool around this solution, solve stage 1 again
+            rounds += 1
             base = base_fn()
             z = _pad(z, base)
             left = time_limit_s - (time.perf_counter() - t0)
             z2, status2, _ = _solve_milp(base, k, fixed, solver, max(0.1, min(cap, left / 2)), mip_rel_gap)
-            if z2 is not None and _sum_smallest(base.Y @ z2, k) > val:
+            better = z2 is not None and _sum_smallest(base.Y @ z2, k) > val * (1 + 1e-9)
+            if better and z2 is not None:
                 z, status, val = z2, status2, _sum_smallest(base.Y @ z2, k)
             if shrink is not None:
                 z = shrink(z)  # drop the unused new patterns: later stages stay small
+            if not better:
+                break
         z_best = z
         stages.append(StageInfo(k, val, bound, status, time.perf_counter() - ts, n_patterns()))
         fixed[k] = val - tol * max(1.0, abs(val))
@@ -363,33 +385,6 @@ def _pattern_base(instance: Instance, cols: Sequence[tuple[int, Pattern]]) -> _B
     return _Base(A, b, np.zeros(n), ub, np.ones(n, bool), sp.csr_matrix(Y), sp.csr_matrix(R))
 
 
-def _seed_pool(instance: Instance) -> list[list[Pattern]]:
-    pools: list[list[Pattern]] = []
-    for kind in instance.kinds:
-        pool: list[Pattern] = []
-        for c in range(instance.n_comp):
-            v = np.array([it.throughput_rps if it.comp == c else 0.0 for it in kind.items])
-            if v.any():
-                v = v / max(v.max(), 1e-12)
-                fast = _dp_price(kind, v, grid=_GRID, optimistic=False)
-                _, pat = fast if fast is not None else price_pattern(kind, v)
-                if pat and pat not in pool:
-                    pool.append(pat)
-        # one replica of every component, if that fits: keeps small instances feasible
-        mix: dict[int, int] = {}
-        for c in range(instance.n_comp):
-            for i in sorted((i for i, it in enumerate(kind.items) if it.comp == c),
-                            key=lambda i: kind.items[i].utilization):
-                mix[i] = 1
-                if pattern_fits(kind, mix):
-                    break
-                del mix[i]
-        if mix and tuple(sorted(mix.items())) not in pool:
-            pool.append(tuple(sorted(mix.items())))
-        pools.append(pool)
-    return pools
-
-
 def solve_patterns(
     instance: Instance,
     *,
@@ -423,7 +418,7 @@ def solve_patterns(
         elif mode == "enumerate":
             raise ValueError(f"more than {lim} patterns per device kind; use mode='generate'")
     if pools is None:
-        pools = _seed_pool(instance)
+        pools = seed_pool(instance)
     cols: list[tuple[int, Pattern]] = [(kk, p) for kk, pool in enumerate(pools) for p in pool]
     seen = set(cols)
     notes: list[str] = []
@@ -444,7 +439,7 @@ def solve_patterns(
         if used != "generate":
             return False
         n_before.append(len(cols))
-        added = _neighbour_columns(instance, cols, seen, z, limit=max(0, min(1500, max_patterns - len(cols))))
+        added = neighbour_columns(instance, cols, seen, z, limit=max(0, min(1000, max_patterns - len(cols))))
         if added:
             notes.append(f"stage 1: {added} neighbour patterns of the integer solution tried")
         return added > 0
@@ -459,10 +454,20 @@ def solve_patterns(
         return np.concatenate([z[:n0], z[keep]])
 
     z, stages, hit = _leximin(
-        instance, lambda: _pattern_base(instance, cols), solver=solver, time_limit_s=time_limit_s,
-        mip_rel_gap=mip_rel_gap, tol=tol, before_stage=grow, n_patterns=lambda: len(cols),
-        stage_time_limit_s=stage_time_limit_s, complete=used == "enumerate", levels=levels, fallback=fallback,
-        improve=improve, shrink=shrink,
+        instance,
+        lambda: _pattern_base(instance, cols),
+        solver=solver,
+        time_limit_s=time_limit_s,
+        mip_rel_gap=mip_rel_gap,
+        tol=tol,
+        before_stage=grow,
+        n_patterns=lambda: len(cols),
+        stage_time_limit_s=stage_time_limit_s,
+        complete=used == "enumerate",
+        levels=levels,
+        fallback=fallback,
+        improve=improve,
+        shrink=shrink,
     )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     for j, (kk, pat) in enumerate(cols):
@@ -470,8 +475,14 @@ def solve_patterns(
             chosen[kk].append((pat, round(z[j])))
     thr = _throughputs(instance, chosen)
     return Solution(
-        chosen=tuple(tuple(c) for c in chosen), throughput_rps=thr, stages=tuple(stages), mode=used,
-        solver=solver, solve_s=time.perf_counter() - t0, n_patterns=len(cols), time_limit_hit=hit,
+        chosen=tuple(tuple(c) for c in chosen),
+        throughput_rps=thr,
+        stages=tuple(stages),
+        mode=used,
+        solver=solver,
+        solve_s=time.perf_counter() - t0,
+        n_patterns=len(cols),
+        time_limit_hit=hit,
         notes=tuple(notes),
     )
 
@@ -499,38 +510,8 @@ def _lp_bound(base: _Base, k: int, fixed: Mapping[int, float], lp_x: dict[int, n
     return -float(res.fun)
 
 
-def _neighbour_columns(instance: Instance, cols: list[tuple[int, Pattern]], seen: set[tuple[int, Pattern]],
-                       z: np.ndarray, *, limit: int) -> int:
-    """Add the patterns one swap (or one addition) away from those the integer solution uses.
-
-    LP pricing only finds patterns the LP likes; the integer optimum often needs a near miss.
-    """
-    added = 0
-    for j in np.flatnonzero(z > 0.5):
-        kk, pat = cols[int(j)]
-        kind = instance.kinds[kk]
-        base = dict(pat)
-        for drop in [None, *base]:
-            cand = dict(base)
-            if drop is not None:
-                cand[drop] -= 1
-                if not cand[drop]:
-                    del cand[drop]
-            for i in range(len(kind.items)):
-                if i == drop:
-                    continue
-                cand[i] = cand.get(i, 0) + 1
-                key = (kk, tuple(sorted(cand.items())))
-                if key not in seen and pattern_fits(kind, cand):
-                    if added >= limit:
-                        return added
-                    cols.append(key)
-                    seen.add(key)
-                    added += 1
-                cand[i] -= 1
-                if not cand[i]:
-                    del cand[i]
-    return added
+_IMPROVE_ROUNDS = 8  # local-search rounds around stage 1's integer solution
+_IMPROVE_GAP = 0.05  # ... when it is this far below the LP bound (few devices per component)
 
 
 def _round_lp(instance: Instance, cols: Sequence[tuple[int, Pattern]], x: np.ndarray) -> np.ndarray | None:
@@ -550,16 +531,26 @@ def _round_lp(instance: Instance, cols: Sequence[tuple[int, Pattern]], x: np.nda
         for _ in range(int(np.rint(free[kk]))):
             if options.size == 0:
                 break
-            best = max(options, key=lambda j: (int(((reps + R[:, j]) >= 1).sum()), tuple(np.sort(y + Y[:, j]))))
+            best = max(
+                options, key=lambda j: (int(((reps + R[:, j]) >= 1).sum()), tuple(np.sort(y + Y[:, j])))
+            )
             z[best] += 1
             y = y + Y[:, best]
             reps = reps + R[:, best]
     return z if (reps >= 1).all() else None
 
 
-def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen: set[tuple[int, Pattern]], k: int,
-                       fixed: Mapping[int, float], max_patterns: int, max_iters: int, notes: list[str],
-                       lp_x: dict[int, np.ndarray]) -> float:
+def _column_generation(
+    instance: Instance,
+    cols: list[tuple[int, Pattern]],
+    seen: set[tuple[int, Pattern]],
+    k: int,
+    fixed: Mapping[int, float],
+    max_patterns: int,
+    max_iters: int,
+    notes: list[str],
+    lp_x: dict[int, np.ndarray],
+) -> float:
     """Grow the pools until the stage-k LP has no improving pattern; return an upper bound."""
     active = instance.active
     na = len(active)
@@ -587,8 +578,10 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
         added = 0
         lagr = 0.0
         eps = 1e-7 * max(1.0, abs(lp_val))
-        vals_of = [np.array([pi[it.comp] * it.throughput_rps + beta[it.comp] for it in kind.items])
-                   for kind in instance.kinds]
+        vals_of = [
+            np.array([pi[it.comp] * it.throughput_rps + beta[it.comp] for it in kind.items])
+            for kind in instance.kinds
+        ]
         exact = [False] * len(instance.kinds)
         for kk, kind in enumerate(instance.kinds):
             fast = _dp_price(kind, vals_of[kk], grid=_GRID, optimistic=False)
@@ -617,7 +610,9 @@ def _column_generation(instance: Instance, cols: list[tuple[int, Pattern]], seen
                 ub = opt[0] if opt is not None else math.inf
                 if kind.count * (ub - mu[kk]) > 1e-3 * max(1.0, abs(lp_val)) and exact_tries > 0:
                     exact_tries -= 1
-                    ex_val, ex_pat, ex_ub = price_pattern(kind, vals_of[kk], time_limit_s=0.2, with_bound=True)
+                    ex_val, ex_pat, ex_ub = price_pattern(
+                        kind, vals_of[kk], time_limit_s=0.2, with_bound=True
+                    )
                     if ex_val - mu[kk] > eps and ex_pat and (kk, ex_pat) not in seen:
                         cols.append((kk, ex_pat))
                         seen.add((kk, ex_pat))

@@ -1,11 +1,14 @@
 """Reference solvers for tests: a per-device MILP formulation and brute-force leximin enumeration.
 
-Both only suit small instances; the allocator itself uses :func:`hpcsplit._patterns.solve_patterns`.
+Both only suit small instances.  The allocator uses :func:`hpcsplit._patterns.solve_patterns`, and
+the per-device formulation in ``mode=auto`` when a cluster has at most ``PER_DEVICE_MAX`` devices (one
+CPU node: every pattern is then one device, and column generation's LP says little about it).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 
@@ -15,11 +18,21 @@ import scipy.sparse as sp
 from hpcsplit._packing import Instance, Pattern, enumerate_patterns
 from hpcsplit._patterns import Solution, _Base, _leximin, _throughputs
 
-__all__ = ["brute_force_leximin", "leximin_key", "solve_per_device"]
+__all__ = ["PER_DEVICE_MAX", "brute_force_leximin", "leximin_key", "solve_per_device"]
+
+PER_DEVICE_MAX = 2
 
 
-def solve_per_device(instance: Instance, *, solver: str = "HIGHS", time_limit_s: float = 60.0,
-                     mip_rel_gap: float = 1e-6, tol: float = 1e-6) -> Solution:
+def solve_per_device(
+    instance: Instance,
+    *,
+    solver: str = "HIGHS",
+    time_limit_s: float = 60.0,
+    mip_rel_gap: float = 1e-6,
+    tol: float = 1e-6,
+    stage_time_limit_s: float = math.inf,
+    levels: int | None = None,
+) -> Solution:
     """Reference formulation: integer replica counts per device and item (small instances only)."""
     t0 = time.perf_counter()
     active = instance.active
@@ -70,10 +83,19 @@ def solve_per_device(instance: Instance, *, solver: str = "HIGHS", time_limit_s:
         R[it.comp, v] = 1.0
         if instance.weights[it.comp] > 0:
             Y[active.index(it.comp), v] = it.throughput_rps / instance.weights[it.comp]
-    base = _Base(A.tocsr(), np.array(rhs), np.zeros(n), np.array(ub, float), np.ones(n, bool),
-                 Y.tocsr(), R.tocsr())
-    z, stages, hit = _leximin(instance, lambda: base, solver=solver, time_limit_s=time_limit_s,
-                              mip_rel_gap=mip_rel_gap, tol=tol)
+    base = _Base(
+        A.tocsr(), np.array(rhs), np.zeros(n), np.array(ub, float), np.ones(n, bool), Y.tocsr(), R.tocsr()
+    )
+    z, stages, hit = _leximin(
+        instance,
+        lambda: base,
+        solver=solver,
+        time_limit_s=time_limit_s,
+        mip_rel_gap=mip_rel_gap,
+        tol=tol,
+        stage_time_limit_s=stage_time_limit_s,
+        levels=levels,
+    )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     per_dev: dict[tuple[int, int], dict[int, int]] = {}
     for v, (kk, dev, i) in enumerate(var_kind):
@@ -81,9 +103,16 @@ def solve_per_device(instance: Instance, *, solver: str = "HIGHS", time_limit_s:
             per_dev.setdefault((kk, dev), {})[i] = round(z[v])
     for (kk, _dev), cnts in sorted(per_dev.items()):
         chosen[kk].append((tuple(sorted(cnts.items())), 1))
-    return Solution(chosen=tuple(tuple(c) for c in chosen), throughput_rps=_throughputs(instance, chosen),
-                    stages=tuple(stages), mode="per-device", solver=solver,
-                    solve_s=time.perf_counter() - t0, n_patterns=0, time_limit_hit=hit)
+    return Solution(
+        chosen=tuple(tuple(c) for c in chosen),
+        throughput_rps=_throughputs(instance, chosen),
+        stages=tuple(stages),
+        mode="per-device",
+        solver=solver,
+        solve_s=time.perf_counter() - t0,
+        n_patterns=0,
+        time_limit_hit=hit,
+    )
 
 
 # ------------------------------------------------------------------------------------- brute force

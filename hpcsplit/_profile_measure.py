@@ -44,6 +44,7 @@ from hpcsplit.errors import ProfileError
 
 __all__ = [
     "GIB",
+    "CellAbandoned",
     "Measurement",
     "StopOnSignal",
     "apply_slice",
@@ -55,6 +56,10 @@ __all__ = [
 ]
 
 GIB = 2**30
+
+
+class CellAbandoned(Exception):
+    """The stop callback fired in the middle of a cell: it is not written (measured again on resume)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +197,7 @@ def measure_callable(
     cores_per_node: int | None = None,
     util_window_ms: float = 500.0,
     util_sample_ms: float = 20.0,
+    stop: Callable[[], bool] | None = None,
 ) -> Measurement:
     """Measure one cell: ``warmup`` runs, then ``iters`` timed runs of ``fn(*inputs)``.
 
@@ -205,28 +211,40 @@ def measure_callable(
         Bytes of the component's parameters (added to the CPU peak-memory figure).
     threads, cores_per_node
         CPU only: the slice, giving ``utilization = threads / cores_per_node``.
+    stop
+        Checked before every run; when it returns True the cell is abandoned.
 
     Returns
     -------
     Measurement
         ``oom=True`` with empty latencies when the runs ran out of memory.
+
+    Raises
+    ------
+    CellAbandoned
+        ``stop()`` became True (a signal asked the profiler to stop).
     """
     import torch
 
     dev = torch.device(device)
+    check = stop or (lambda: False)
     in_bytes = _tensor_bytes(inputs)
     out_bytes = -1
     try:
         with torch.no_grad():
             for _ in range(warmup):
+                if check():
+                    raise CellAbandoned
                 out = fn(*inputs)
             out = None
             if dev.type == "cuda":
-                lat, act_peak, util, out = _time_cuda(fn, inputs, dev, iters, util_window_ms, util_sample_ms)
+                lat, act_peak, util, out = _time_cuda(
+                    fn, inputs, dev, iters, util_window_ms, util_sample_ms, check
+                )
                 peak = float(param_bytes + in_bytes + act_peak)
                 busy = math.nan
             else:
-                lat, busy, out = _time_cpu(fn, inputs, iters, threads or torch.get_num_threads())
+                lat, busy, out = _time_cpu(fn, inputs, iters, threads or torch.get_num_threads(), check)
                 mode = _live_bytes_mode()
                 with mode:
                     out = fn(*inputs)
@@ -248,12 +266,14 @@ def measure_callable(
 
 
 def _time_cpu(
-    fn: Callable[..., Any], inputs: Sequence[Any], iters: int, threads: int
+    fn: Callable[..., Any], inputs: Sequence[Any], iters: int, threads: int, check: Callable[[], bool]
 ) -> tuple[list[float], float, Any]:
     lat = []
     out = None
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(iters):
+        if check():
+            raise CellAbandoned
         t0 = time.perf_counter()
         out = fn(*inputs)
         lat.append((time.perf_counter() - t0) * 1e3)
@@ -269,6 +289,7 @@ def _time_cuda(
     iters: int,
     util_window_ms: float,
     util_sample_ms: float,
+    check: Callable[[], bool],
 ) -> tuple[list[float], float, float, Any]:
     import torch
 
@@ -278,6 +299,8 @@ def _time_cuda(
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     out = None
     for start, end in ev:
+        if check():
+            raise CellAbandoned
         start.record()
         out = fn(*inputs)
         end.record()
@@ -289,7 +312,7 @@ def _time_cuda(
         sampler = _NvmlSampler(dev.index or 0, util_sample_ms)
         deadline = time.perf_counter() + util_window_ms / 1e3
         with sampler:
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < deadline and not check():
                 out = fn(*inputs)
                 torch.cuda.synchronize(dev)
         util = sampler.mean_fraction()
@@ -445,8 +468,8 @@ class StopOnSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum
         print(
-            f"[hpcsplit.profile] got {signal.Signals(signum).name}: finishing the current cell, then stopping "
-            "(run the profile stage again to resume)",
+            f"[hpcsplit.profile] got {signal.Signals(signum).name}: stopping after the current run "
+            "(cells written so far are kept; run the profile stage again to resume)",
             file=sys.stderr,
             flush=True,
         )

@@ -272,8 +272,10 @@ def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str) -> 
     err0 = folder / f"{job_id}_0_log.err"
     head = f"SLURM job {job_id} (stage={stage}) ended {status.state} (exit code {status.exit_code or '?'})"
     parts = [f"{head} without a result."]
+    errors = [x for x in rank_lines if any(w in x for w in ("Error", "Exception", "abort", "Killed", "signal"))]
+    rank_lines = errors or rank_lines[-5:]  # the errors, else the last progress lines
     if rank_lines:
-        parts += ["Rank errors:", *(f"  {x}" for x in rank_lines[:20])]
+        parts += ["Rank errors:" if errors else "Last rank lines:", *(f"  {x}" for x in rank_lines[:20])]
     if srun_lines:
         parts += ["srun:", *(f"  {x}" for x in srun_lines[:10])]
     if not rank_lines and not srun_lines:

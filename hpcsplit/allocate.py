@@ -22,17 +22,32 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpcsplit import _patterns as _P
-from hpcsplit.cluster import GIB, ClusterSpec
+from hpcsplit._allocate_options import (
+    Option,
+    _check_slots,
+    _cpu_deficit,
+    _options,
+    build_instance,
+    component_options,
+    prune_dominated,
+)
+from hpcsplit.cluster import ClusterSpec
 from hpcsplit.errors import AllocationError, AllocationInfeasibleError
 
-__all__ = ["Allocation", "Option", "Replica", "allocate", "build_instance", "prune_dominated", "run_allocate"]
+__all__ = [
+    "Allocation",
+    "Option",
+    "Replica",
+    "allocate",
+    "build_instance",
+    "component_options",
+    "prune_dominated",
+    "run_allocate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +71,6 @@ DEFAULTS: dict[str, Any] = {
     "leximin_levels": None,
     "cpu_oversubscribe": True,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    """One way to run one replica of a component (see ``[Note: allocation options]``)."""
-
-    component: str
-    batch_size: int
-    slice_size: float  # GB (GPU) or threads (CPU), as the cluster names it
-    profile_slice: float  # the profile column the figures come from
-    throughput_rps: float
-    latency_ms: float  # the SLO quantile of the latency
-    mem_bytes: float
-    utilization: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,9 @@ def _as_profiles(profiles: Any) -> list[Any]:
     else:
         out = [profiles]
     if not out:
-        raise AllocationError("allocate() got no profile; pass the Profile read by hpcsplit.read_profile(path)")
+        raise AllocationError(
+            "allocate() got no profile; pass the Profile read by hpcsplit.read_profile(path)"
+        )
     return out
 
 
@@ -150,16 +153,23 @@ def _merge_components(profiles: list[Any]) -> dict[str, Any]:
     return comps
 
 
-def _check_config(comps: Mapping[str, Any], profiles: list[Any], cluster: ClusterSpec, o: dict[str, Any]) -> None:
+def _check_config(
+    comps: Mapping[str, Any], profiles: list[Any], cluster: ClusterSpec, o: dict[str, Any]
+) -> None:
     errs: list[str] = []
     names = list(comps)
     for p in profiles:
         kind = getattr(p.meta, "device_kind", cluster.device_kind)
         if kind != cluster.device_kind:
-            way = ("choose a cluster with GPUs (cluster=perlmutter)" if kind == "cuda"
-                   else "re-profile on the GPUs (profile.device=cuda) or choose a CPU cluster (cluster=local)")
-            errs.append(f"profile of {p.meta.model!r} was measured on {kind} but cluster {cluster.name!r} is "
-                        f"{cluster.device_kind}: {way}")
+            way = (
+                "choose a cluster with GPUs (cluster=perlmutter)"
+                if kind == "cuda"
+                else "re-profile on the GPUs (profile.device=cuda) or choose a CPU cluster (cluster=local)"
+            )
+            errs.append(
+                f"profile of {p.meta.model!r} was measured on {kind} but cluster {cluster.name!r} is "
+                f"{cluster.device_kind}: {way}"
+            )
     w = o["demand_weights"] or {}
     unknown = sorted(set(w) - set(names))
     if unknown:
@@ -188,268 +198,36 @@ def _check_config(comps: Mapping[str, Any], profiles: list[Any], cluster: Cluste
     if not isinstance(fc, int) or fc < 0:
         errs.append(f"frontend_cores = {fc!r}, needs an integer >= 0")
     elif fc >= cluster.cores_per_node and cluster.nodes == 1 and not cluster.is_gpu:
-        errs.append(f"frontend_cores = {fc} leaves none of the node's {cluster.cores_per_node} cores for "
-                    "components: lower frontend_cores or set cluster.cores_per_node")
-    if o["mode"] not in ("auto", "enumerate", "generate"):
-        errs.append(f"mode = {o['mode']!r}, needs one of auto, enumerate, generate")
+        errs.append(
+            f"frontend_cores = {fc} leaves none of the node's {cluster.cores_per_node} cores for "
+            "components: lower frontend_cores or set cluster.cores_per_node"
+        )
+    if o["mode"] not in ("auto", "enumerate", "generate", "per-device"):
+        errs.append(f"mode = {o['mode']!r}, needs one of auto, enumerate, generate, per-device")
     import cvxpy as cp
 
     if o["solver"] not in cp.installed_solvers():
-        mip = [s for s in ("HIGHS", "SCIPY", "SCIP", "GUROBI", "CPLEX", "CBC", "GLPK_MI") if s in cp.installed_solvers()]
+        mip = [
+            s
+            for s in ("HIGHS", "SCIPY", "SCIP", "GUROBI", "CPLEX", "CBC", "GLPK_MI")
+            if s in cp.installed_solvers()
+        ]
         errs.append(f"solver {o['solver']!r} is not installed; MILP solvers here: {mip}")
     if errs:
         raise AllocationError("allocate: contradictory or invalid settings:\n  - " + "\n  - ".join(errs))
 
 
-def _slo_of(o: dict[str, Any], comp: str) -> float | None:
-    slo = o["slo_ms"]
-    if isinstance(slo, Mapping):
-        v = slo.get(comp)
-        return None if v is None else float(v)
-    return None if slo is None else float(slo)
-
-
-# ------------------------------------------------------------------------------------------ options
-def _pick_column(cp: Any, b: int, s_target: float, slice_bytes: float | None, allow_larger: bool) -> int | None:
-    """Profile slice column for a cluster slice (see ``[Note: allocation options]``)."""
-    usable = [
-        j for j, s in enumerate(cp.slices)
-        if bool(cp.measured[b, j]) and not bool(cp.oom[b, j]) and math.isfinite(cp.latency_p50_ms(b, j))
-    ]
-    exact = [j for j in usable if abs(cp.slices[j] - s_target) < 1e-6]
-    if exact:
-        return exact[0]
-    below = [j for j in usable if cp.slices[j] < s_target]
-    if below:
-        return max(below, key=lambda j: cp.slices[j])
-    if allow_larger and slice_bytes is not None:
-        above = [j for j in usable if _mem(cp, b, j) <= slice_bytes]
-        if above:
-            return min(above, key=lambda j: cp.slices[j])
-    return None
-
-
-def _mem(cp: Any, b: int, j: int) -> float:
-    v = float(cp.peak_mem_bytes[b, j])
-    return v if math.isfinite(v) else 0.0
-
-
-def component_options(cp: Any, cluster: ClusterSpec, *, slo_quantile: float = 0.99) -> list[Option]:
-    """Every usable (batch, cluster slice) option of one component, ignoring SLOs."""
-    out: list[Option] = []
-    sizes = cluster.slices_gb if cluster.is_gpu else tuple(float(t) for t in cluster.cpu_threads)
-    for b, batch in enumerate(cp.batch_sizes):
-        for size in sizes:
-            sb = size * GIB if cluster.is_gpu else None
-            j = _pick_column(cp, b, size, sb, allow_larger=cluster.is_gpu and not cluster.mig_profiles)
-            if j is None:
-                continue
-            mem = _mem(cp, b, j)
-            if sb is not None and mem > sb:
-                continue
-            if cluster.is_gpu:
-                u = float(cp.utilization[b, j])
-                util = u if math.isfinite(u) else 1.0  # unknown: assume it needs the whole GPU
-            else:
-                util = size / cluster.cores_per_node
-            thr = float(cp.throughput_rps(b, j))
-            if not (math.isfinite(thr) and thr > 0):
-                continue
-            lat = float(cp.latency_quantile_ms(b, j, slo_quantile))
-            out.append(Option(cp.name, int(batch), float(size), float(cp.slices[j]), thr, lat, mem, util))
-    return out
-
-
-def _options(comps: Mapping[str, Any], cluster: ClusterSpec, o: dict[str, Any]) -> dict[str, list[Option]]:
-    table: dict[str, list[Option]] = {}
-    errs: list[AllocationError] = []
-    unit = "GB" if cluster.is_gpu else "threads"
-    for name, cp in comps.items():
-        opts = component_options(cp, cluster, slo_quantile=float(o["slo_quantile"]))
-        if not opts:
-            errs.append(AllocationInfeasibleError(_no_slice_message(name, cp, cluster, unit)))
-            continue
-        fits = [x for x in opts if x.utilization <= float(o["util_limit"]) + 1e-9]
-        if not fits:
-            lo = min(opts, key=lambda x: x.utilization)
-            errs.append(AllocationInfeasibleError(
-                f"component {name!r} fits no GPU: its lowest utilization is {lo.utilization:.0%} (batch "
-                f"{lo.batch_size}, {lo.slice_size:g} {unit}) above util_limit {float(o['util_limit']):.0%}; "
-                "raise allocate.util_limit or re-partition this component into smaller ones"))
-            continue
-        slo = _slo_of(o, name)
-        if slo is not None:
-            ok = [x for x in fits if x.latency_ms <= slo]
-            if not ok:
-                fastest = min(fits, key=lambda x: x.latency_ms)
-                smallest = min(cp.batch_sizes)
-                if smallest > 1:
-                    errs.append(AllocationError(
-                        f"component {name!r}: the latency SLO {slo:g} ms needs a batch size below the profiled "
-                        f"ones: its smallest profiled batch {smallest} takes {fastest.latency_ms:.3g} ms "
-                        f"(q={o['slo_quantile']}); profile smaller batches (profile.batch_sizes=[1, ...]) "
-                        "or raise allocate.slo_ms"))
-                else:
-                    errs.append(AllocationInfeasibleError(
-                        f"component {name!r} cannot meet the latency SLO {slo:g} ms: its fastest option "
-                        f"(batch {fastest.batch_size}, {fastest.slice_size:g} {unit}) takes "
-                        f"{fastest.latency_ms:.3g} ms (q={o['slo_quantile']}); raise allocate.slo_ms to at "
-                        f"least {math.ceil(fastest.latency_ms * 100) / 100:g} or split the component further"))
-                continue
-            fits = ok
-        table[name] = prune_dominated(fits)
-    if errs:
-        if len(errs) == 1:
-            raise errs[0]
-        cls = AllocationInfeasibleError if all(isinstance(e, AllocationInfeasibleError) for e in errs) else AllocationError
-        raise cls("\n".join(str(e) for e in errs))
-    return table
-
-
-def _no_slice_message(name: str, cp: Any, cluster: ClusterSpec, unit: str) -> str:
-    meas = np.asarray(cp.measured, bool) & ~np.asarray(cp.oom, bool)
-    if not meas.any():
-        big = max(cp.slices) if cp.slices else 0
-        return (f"component {name!r} fits no slice: it ran out of memory at every profiled batch size (smallest "
-                f"{min(cp.batch_sizes)}) even in the largest profiled slice ({big:g} {unit}; parameters "
-                f"{cp.param_bytes / GIB:.2f} GB); add a larger slice to cluster.slices_gb (up to gpu_mem_gb = "
-                f"{cluster.gpu_mem_gb:g}) and profile it, or split the component further")
-    mems = np.where(meas, np.nan_to_num(np.asarray(cp.peak_mem_bytes, float), nan=0.0), np.inf)
-    need = float(mems.min()) / GIB
-    have = list(cluster.slices_gb if cluster.is_gpu else cluster.cpu_threads)
-    if cluster.is_gpu:
-        return (f"component {name!r} fits no slice: it needs at least {need:.2f} GB (smallest batch) but the "
-                f"cluster's slices are {have} GB and the profile measured slices {list(cp.slices)}; add a larger "
-                "slice to cluster.slices_gb (up to gpu_mem_gb) or split the component further")
-    return (f"component {name!r} fits no thread count: the profile measured threads {list(cp.slices)} and the "
-            f"cluster allows cpu_threads {have}; profile with those thread counts (profile.threads) or change "
-            "cluster.cpu_threads")
-
-
-# ------------------------------------------------------------------------------------- device kinds
-def _units(sizes: Sequence[float], capacity: float) -> tuple[tuple[int, ...], int]:
-    fr = [Fraction(s).limit_denominator(1000) for s in sizes]
-    den = math.lcm(*(f.denominator for f in fr))
-    nums = [int(f * den) for f in fr]
-    g = math.gcd(*nums)
-    unit = Fraction(g, den)
-    return tuple(int(f / unit) for f in fr), int(Fraction(capacity).limit_denominator(1000) / unit)
-
-
-def prune_dominated(opts: Sequence[Option]) -> list[Option]:
-    """Drop options another option of the same component and slice beats in every figure.
-
-    j dominates i when ``throughput_j >= throughput_i``, ``utilization_j <= utilization_i`` and
-    ``mem_j <= mem_i``: swapping i for j in any placement keeps it valid and loses nothing, so
-    the optimum is unchanged (ties keep the smaller batch, i.e. the lower latency).
-    """
-    keep: list[Option] = []
-    for i, a in enumerate(opts):
-        dominated = False
-        for j, b in enumerate(opts):
-            if i == j or b.component != a.component or b.slice_size != a.slice_size:
-                continue
-            no_worse = (b.throughput_rps >= a.throughput_rps and b.utilization <= a.utilization
-                        and b.mem_bytes <= a.mem_bytes)
-            better = (b.throughput_rps > a.throughput_rps or b.utilization < a.utilization
-                      or b.mem_bytes < a.mem_bytes or (b.batch_size, j) < (a.batch_size, i))
-            if no_worse and better:
-                dominated = True
-                break
-        if not dominated:
-            keep.append(a)
-    return keep
-
-
-def build_instance(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, weights: Mapping[str, float], *,
-                   util_limit: float = 1.0, frontend_cores: int = 1, max_ranks_per_gpu: int | None = None,
-                   cpu_mem_fraction: float = 0.9, extra_cores_node0: int = 0,
-                   ) -> tuple[_P.Instance, list[list[tuple[int, int]]]]:
-    """The solver's instance, and per kind the (node, gpu) of its devices in order.
-
-    Returns the instance and, per device kind, the list of ``(node, gpu or -1)`` it stands for.
-    """
-    names = list(table)
-    idx = {c: i for i, c in enumerate(names)}
-    w = tuple(float(weights.get(c, 1.0)) for c in names)
-    kinds: list[_P.DeviceKind] = []
-    where: list[list[tuple[int, int]]] = []
-    if cluster.is_gpu:
-        sizes = cluster.slices_gb
-        units, cap = _units(sizes, cluster.gpu_mem_gb)
-        layouts = None
-        if cluster.slice_layouts:
-            layouts = tuple(tuple(sum(1 for x in lay if abs(x - s) < 1e-9) for s in sizes) for lay in cluster.slice_layouts)
-        per_gpu = max(1, (cluster.cores_per_node - frontend_cores) // cluster.gpus_per_node)
-        if max_ranks_per_gpu:
-            per_gpu = int(max_ranks_per_gpu)
-        items = tuple(
-            _P.Item(idx[o.component], o.batch_size, sizes.index(o.slice_size), o.throughput_rps, o.utilization,
-                    o.mem_bytes, o.latency_ms)
-            for c in names for o in table[c]
-        )
-        kinds.append(_P.DeviceKind("gpu", cluster.total_gpus, sizes, units, cap, util_limit, per_gpu, items, layouts))
-        where.append([(n, g) for n in range(cluster.nodes) for g in range(cluster.gpus_per_node)])
-    else:
-        sizes = tuple(float(t) for t in cluster.cpu_threads)
-        items = tuple(
-            _P.Item(idx[o.component], o.batch_size, sizes.index(o.slice_size), o.throughput_rps, o.utilization,
-                    o.mem_bytes, o.latency_ms)
-            for c in names for o in table[c]
-        )
-        mem = cluster.mem_bytes_per_node * cpu_mem_fraction
-        units = tuple(int(t) for t in cluster.cpu_threads)
-        cap0 = cluster.cores_per_node - frontend_cores + extra_cores_node0
-        if cap0 > 0:
-            # on CPU the thread budget is the limit (utilization = threads / cores says the same)
-            kinds.append(_P.DeviceKind("cpu-node0", 1, sizes, units, cap0, math.inf, cap0, items, None, mem))
-            where.append([(0, -1)])
-        if cluster.nodes > 1:
-            cap = cluster.cores_per_node
-            kinds.append(_P.DeviceKind("cpu", cluster.nodes - 1, sizes, units, cap, math.inf, cap, items, None, mem))
-            where.append([(n, -1) for n in range(1, cluster.nodes)])
-    return _P.Instance(len(names), w, tuple(kinds)), where
-
-
-def _max_slots(kind: _P.DeviceKind) -> int:
-    if kind.layouts is not None:
-        per = max(sum(lay) for lay in kind.layouts)
-    else:
-        per = kind.capacity_units // min(kind.slice_units)
-    return kind.count * min(per, kind.max_items)
-
-
-def _cpu_deficit(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, frontend_cores: int) -> int:
-    """Cores missing on a CPU cluster for one smallest rank per component (0 when they fit)."""
-    if cluster.is_gpu:
-        return 0
-    need = sum(min(int(o.slice_size) for o in opts) for opts in table.values())
-    have = max(0, cluster.cores_per_node - frontend_cores) + (cluster.nodes - 1) * cluster.cores_per_node
-    return max(0, need - have)
-
-
-def _check_slots(instance: _P.Instance, names: list[str], cluster: ClusterSpec, frontend_cores: int) -> None:
-    slots = sum(_max_slots(k) for k in instance.kinds)
-    if slots >= len(names):
-        return
-    if cluster.is_gpu:
-        what = (f"{cluster.total_gpus} GPU(s) x at most {_max_slots(instance.kinds[0]) // max(1, cluster.total_gpus)} "
-                f"slice(s) of {min(cluster.slices_gb):g} GB")
-        way = "add nodes (cluster.nodes), allow smaller slices (cluster.slices_gb), or partition into fewer components"
-    else:
-        what = (f"{cluster.nodes} node(s) x {cluster.cores_per_node} cores, {frontend_cores} kept for the frontend, "
-                f"at least {min(cluster.cpu_threads)} thread(s) per rank")
-        way = ("set cluster.cores_per_node higher (oversubscribe), allocate.frontend_cores=0, add nodes, "
-               "or partition into fewer components")
-    raise AllocationInfeasibleError(
-        f"{len(names)} components {names} but only {slots} slot(s) for replicas: {what}; {way}"
-    )
-
-
 # ----------------------------------------------------------------------------------------- allocate
-def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_weights: Mapping[str, float] | None = None,
-             slo_ms: float | Mapping[str, float] | None = None, solver: str = "HIGHS", time_limit_s: float = 30.0,
-             **options: Any) -> Allocation:
+def allocate(
+    profiles: Any,
+    cluster: ClusterSpec | Mapping[str, Any],
+    *,
+    demand_weights: Mapping[str, float] | None = None,
+    slo_ms: float | Mapping[str, float] | None = None,
+    solver: str = "HIGHS",
+    time_limit_s: float = 30.0,
+    **options: Any,
+) -> Allocation:
     """Place replicas of every component on the cluster, leximin-fair in throughput.
 
     Parameters
@@ -489,8 +267,12 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
         raise AllocationError(f"allocate() got unknown options {unknown}; valid: {sorted(DEFAULTS)}")
     o = dict(DEFAULTS)
     o.update(options)
-    o.update(solver=str(solver).upper(), time_limit_s=float(time_limit_s), slo_ms=slo_ms,
-             demand_weights=dict(demand_weights or {}))
+    o.update(
+        solver=str(solver).upper(),
+        time_limit_s=float(time_limit_s),
+        slo_ms=slo_ms,
+        demand_weights=dict(demand_weights or {}),
+    )
     if not isinstance(cluster, ClusterSpec):
         cluster = ClusterSpec.from_config(cluster)
     plist = _as_profiles(profiles)
@@ -505,21 +287,52 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
             "cluster %r: %d core(s) per node (%d kept for the frontend) cannot give each of the %d components a "
             "rank; oversubscribing node 0 by %d core(s): ranks will share cores and predicted throughputs are "
             "optimistic (set cluster.cores_per_node or allocate.cpu_oversubscribe=false)",
-            cluster.name, cluster.cores_per_node, int(o["frontend_cores"]), len(names), extra,
+            cluster.name,
+            cluster.cores_per_node,
+            int(o["frontend_cores"]),
+            len(names),
+            extra,
         )
     instance, where = build_instance(
-        table, cluster, weights, util_limit=float(o["util_limit"]), frontend_cores=int(o["frontend_cores"]),
-        max_ranks_per_gpu=o["max_ranks_per_gpu"], cpu_mem_fraction=float(o["cpu_mem_fraction"]),
+        table,
+        cluster,
+        weights,
+        util_limit=float(o["util_limit"]),
+        frontend_cores=int(o["frontend_cores"]),
+        max_ranks_per_gpu=o["max_ranks_per_gpu"],
+        cpu_mem_fraction=float(o["cpu_mem_fraction"]),
         extra_cores_node0=extra,
     )
     _check_slots(instance, names, cluster, int(o["frontend_cores"]))
+    from hpcsplit import _patterns_ref
+
+    stage_s = float(o["stage_time_limit_s"] or math.inf)
+    devices = sum(k.count for k in instance.kinds)
     try:
-        sol = _P.solve_patterns(
-            instance, solver=o["solver"], time_limit_s=o["time_limit_s"], mip_rel_gap=float(o["mip_rel_gap"]),
-            tol=float(o["leximin_tol"]), mode=o["mode"], enumerate_limit=int(o["enumerate_limit"]),
-            max_patterns=int(o["max_patterns"]), max_cg_iters=int(o["max_cg_iters"]),
-            stage_time_limit_s=float(o["stage_time_limit_s"] or math.inf), levels=o["leximin_levels"],
-        )
+        if o["mode"] == "per-device" or (o["mode"] == "auto" and devices <= _patterns_ref.PER_DEVICE_MAX):
+            sol = _patterns_ref.solve_per_device(
+                instance,
+                solver=o["solver"],
+                time_limit_s=o["time_limit_s"],
+                mip_rel_gap=float(o["mip_rel_gap"]),
+                tol=float(o["leximin_tol"]),
+                stage_time_limit_s=4 * stage_s,
+                levels=o["leximin_levels"],
+            )
+        else:
+            sol = _P.solve_patterns(
+                instance,
+                solver=o["solver"],
+                time_limit_s=o["time_limit_s"],
+                mip_rel_gap=float(o["mip_rel_gap"]),
+                tol=float(o["leximin_tol"]),
+                mode=o["mode"],
+                enumerate_limit=int(o["enumerate_limit"]),
+                max_patterns=int(o["max_patterns"]),
+                max_cg_iters=int(o["max_cg_iters"]),
+                stage_time_limit_s=stage_s,
+                levels=o["leximin_levels"],
+            )
     except _P._Infeasible as e:
         if "limit" in str(e):
             raise AllocationError(
@@ -530,12 +343,16 @@ def allocate(profiles: Any, cluster: ClusterSpec | Mapping[str, Any], *, demand_
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, str(e))) from e
     except Exception as e:  # cvxpy / scipy failures
         if e.__class__.__module__.startswith(("cvxpy", "scipy")):
-            raise AllocationError(f"solver {o['solver']} failed: {e}; try allocate.solver=SCIPY or HIGHS") from e
+            raise AllocationError(
+                f"solver {o['solver']} failed: {e}; try allocate.solver=SCIPY or HIGHS"
+            ) from e
         raise
     alloc = _to_allocation(plist, cluster, table, instance, where, sol, weights, o, time.perf_counter() - t0)
     alloc.solve["oversubscribed_cores"] = extra
     if extra:
-        alloc.solve["notes"].append(f"node 0 oversubscribed by {extra} core(s): throughput predictions optimistic")
+        alloc.solve["notes"].append(
+            f"node 0 oversubscribed by {extra} core(s): throughput predictions optimistic"
+        )
     if not alloc.replicas:  # never hand back an empty plan
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, "no replica placed"))
     return alloc
@@ -545,14 +362,24 @@ def _infeasible_message(table: Mapping[str, Sequence[Option]], cluster: ClusterS
     need = {c: min(o.utilization for o in opts) for c, opts in table.items()}
     tot = sum(need.values())
     devices = cluster.total_gpus if cluster.is_gpu else cluster.nodes
-    return (f"no placement gives every component a replica (solver: {status}). The components need at least "
-            f"{tot:.2f} device(s) of utilization together ({', '.join(f'{c}: {u:.2f}' for c, u in need.items())}) "
-            f"and the cluster has {devices} device(s); add nodes, raise allocate.util_limit, or relax slo_ms")
+    return (
+        f"no placement gives every component a replica (solver: {status}). The components need at least "
+        f"{tot:.2f} device(s) of utilization together ({', '.join(f'{c}: {u:.2f}' for c, u in need.items())}) "
+        f"and the cluster has {devices} device(s); add nodes, raise allocate.util_limit, or relax slo_ms"
+    )
 
 
-def _to_allocation(plist: list[Any], cluster: ClusterSpec, table: Mapping[str, Sequence[Option]],
-                   instance: _P.Instance, where: list[list[tuple[int, int]]], sol: _P.Solution,
-                   weights: dict[str, float], o: dict[str, Any], elapsed: float) -> Allocation:
+def _to_allocation(
+    plist: list[Any],
+    cluster: ClusterSpec,
+    table: Mapping[str, Sequence[Option]],
+    instance: _P.Instance,
+    where: list[list[tuple[int, int]]],
+    sol: _P.Solution,
+    weights: dict[str, float],
+    o: dict[str, Any],
+    elapsed: float,
+) -> Allocation:
     names = list(table)
     opt_of: dict[tuple[int, int, int], Option] = {}
     for c in names:
@@ -565,10 +392,14 @@ def _to_allocation(plist: list[Any], cluster: ClusterSpec, table: Mapping[str, S
 
     for kind, chosen, devs in zip(instance.kinds, sol.chosen, where, strict=True):
         # patterns with more items first, so the busiest devices come first
-        expanded = [pat for pat, n in sorted(chosen, key=lambda pn: -sum(k for _, k in pn[0])) for _ in range(n)]
+        expanded = [
+            pat for pat, n in sorted(chosen, key=lambda pn: -sum(k for _, k in pn[0])) for _ in range(n)
+        ]
         for (node, gpu), pat in zip(devs, expanded, strict=False):
-            items = sorted(((kind.items[i], k) for i, k in pat),
-                           key=lambda t: (-kind.slice_sizes[t[0].slice_idx], t[0].comp))
+            items = sorted(
+                ((kind.items[i], k) for i, k in pat),
+                key=lambda t: (-kind.slice_sizes[t[0].slice_idx], t[0].comp),
+            )
             slot = 0
             g = None if gpu < 0 else gpu
             for it, k in items:
@@ -580,19 +411,44 @@ def _to_allocation(plist: list[Any], cluster: ClusterSpec, table: Mapping[str, S
     lex = tuple(sorted(thr[c] / weights[c] for c in names if weights[c] > 0))
     meta = plist[0].meta
     solve = {
-        "solver": sol.solver, "mode": sol.mode, "solve_s": sol.solve_s, "total_s": elapsed,
-        "gap": sol.gap, "max_gap": sol.max_gap,
-        "time_limit_hit": sol.time_limit_hit, "n_patterns": sol.n_patterns,
-        "stages": [{"k": s.k, "value": s.value, "bound": s.bound if math.isfinite(s.bound) else None,
-                    "status": s.status, "solve_s": s.solve_s} for s in sol.stages],
-        "notes": list(sol.notes), "util_limit": float(o["util_limit"]), "slo_ms": o["slo_ms"],
+        "solver": sol.solver,
+        "mode": sol.mode,
+        "solve_s": sol.solve_s,
+        "total_s": elapsed,
+        "gap": sol.gap,
+        "max_gap": sol.max_gap,
+        "time_limit_hit": sol.time_limit_hit,
+        "n_patterns": sol.n_patterns,
+        "stages": [
+            {
+                "k": s.k,
+                "value": s.value,
+                "bound": s.bound if math.isfinite(s.bound) else None,
+                "status": s.status,
+                "solve_s": s.solve_s,
+            }
+            for s in sol.stages
+        ],
+        "notes": list(sol.notes),
+        "util_limit": float(o["util_limit"]),
+        "slo_ms": o["slo_ms"],
         "slo_quantile": float(o["slo_quantile"]),
     }
     sha = getattr(meta, "switchboard_sha256", None)
     model = "+".join(dict.fromkeys(getattr(p.meta, "model", "model") for p in plist))
-    return Allocation(model=model, switchboard_sha256=sha if len(plist) == 1 else None, cluster=cluster,
-                      components=tuple(names), weights=weights, replicas=tuple(reps), throughput_rps=thr,
-                      leximin=lex, device_utilization=util, solve=solve, frontend_cores=int(o["frontend_cores"]))
+    return Allocation(
+        model=model,
+        switchboard_sha256=sha if len(plist) == 1 else None,
+        cluster=cluster,
+        components=tuple(names),
+        weights=weights,
+        replicas=tuple(reps),
+        throughput_rps=thr,
+        leximin=lex,
+        device_utilization=util,
+        solve=solve,
+        frontend_cores=int(o["frontend_cores"]),
+    )
 
 
 # ------------------------------------------------------------------------------------------- stage
@@ -621,7 +477,9 @@ def run_allocate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     tl = o.pop("time_limit_s", DEFAULTS["time_limit_s"])
     weights = o.pop("demand_weights", None)
     slo = o.pop("slo_ms", None)
-    alloc = allocate(profiles, cluster, demand_weights=weights, slo_ms=slo, solver=solver, time_limit_s=tl, **o)
+    alloc = allocate(
+        profiles, cluster, demand_weights=weights, slo_ms=slo, solver=solver, time_limit_s=tl, **o
+    )
     plan = alloc.to_plan()
     plan_path = plan.save(run_dir / paths.get("plan_filename", "plan.json"))
     png = plot_plan(plan, run_dir / "plan.png")

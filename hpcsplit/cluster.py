@@ -194,12 +194,18 @@ class ClusterSpec:
 
         if gpus > 0:
             if gpu_mem <= 0:
-                errs.append(f"gpus_per_node = {gpus} but gpu_mem_gb = {cfg.get('gpu_mem_gb')!r}; give the GPU memory in GB")
+                errs.append(
+                    f"gpus_per_node = {gpus} but gpu_mem_gb = {cfg.get('gpu_mem_gb')!r}; give the GPU memory in GB"
+                )
             if not slices:
-                errs.append(f"gpus_per_node = {gpus} but slices_gb is empty; list the allowed slices, e.g. [{gpu_mem:g}]")
+                errs.append(
+                    f"gpus_per_node = {gpus} but slices_gb is empty; list the allowed slices, e.g. [{gpu_mem:g}]"
+                )
             too_big = [s for s in slices if gpu_mem > 0 and s > gpu_mem]
             if too_big:
-                errs.append(f"slices_gb {too_big} exceed gpu_mem_gb = {gpu_mem:g}; drop them or raise gpu_mem_gb")
+                errs.append(
+                    f"slices_gb {too_big} exceed gpu_mem_gb = {gpu_mem:g}; drop them or raise gpu_mem_gb"
+                )
             if mig and len(mig) != len(slices):
                 errs.append(
                     f"mig_profiles has {len(mig)} entries but slices_gb has {len(slices)}; "
@@ -209,7 +215,9 @@ class ClusterSpec:
                 layouts = _layouts(layouts_cfg, slices, gpu_mem, errs)
         else:
             if not threads:
-                errs.append("gpus_per_node = 0 (CPU) but cpu_threads is empty; list thread counts per rank, e.g. [1, 2]")
+                errs.append(
+                    "gpus_per_node = 0 (CPU) but cpu_threads is empty; list thread counts per rank, e.g. [1, 2]"
+                )
             big = [t for t in threads if t > cores]
             if big:
                 errs.append(
@@ -258,7 +266,9 @@ def _num_list(v: Any, key: str, errs: list[str]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _layouts(v: Any, slices: tuple[float, ...], gpu_mem: float, errs: list[str]) -> tuple[tuple[float, ...], ...]:
+def _layouts(
+    v: Any, slices: tuple[float, ...], gpu_mem: float, errs: list[str]
+) -> tuple[tuple[float, ...], ...]:
     if not isinstance(v, list | tuple) or not v:
         errs.append(f"slice_layouts = {v!r}, needs a non-empty list of lists of slice sizes (GB)")
         return ()
@@ -267,9 +277,13 @@ def _layouts(v: Any, slices: tuple[float, ...], gpu_mem: float, errs: list[str])
         sizes = _num_list(lay, f"slice_layouts[{i}]", errs)
         bad = [s for s in sizes if s not in slices]
         if bad:
-            errs.append(f"slice_layouts[{i}] = {list(sizes)} uses {bad}, which are not in slices_gb {list(slices)}")
+            errs.append(
+                f"slice_layouts[{i}] = {list(sizes)} uses {bad}, which are not in slices_gb {list(slices)}"
+            )
         if sum(sizes) > gpu_mem + 1e-9:
-            errs.append(f"slice_layouts[{i}] = {list(sizes)} sums to {sum(sizes):g} GB > gpu_mem_gb {gpu_mem:g}")
+            errs.append(
+                f"slice_layouts[{i}] = {list(sizes)} sums to {sum(sizes):g} GB > gpu_mem_gb {gpu_mem:g}"
+            )
         if sizes:
             out.append(tuple(sorted(sizes, reverse=True)))
     return tuple(out)

@@ -285,6 +285,9 @@ def run_pipeline(cfg: dict[str, Any], run_dir: Path, echo: Echo, run_stage: Call
     except KeyboardInterrupt:
         failure = "interrupted (Ctrl-C)"
         raise
+    except Exception as e:  # a bug, not a bad input: still keep the summary of what is there
+        failure = f"{type(e).__name__}: {e}"
+        raise
     finally:
         _save_manifest(run_dir, m)
         summary = write_summary(run_dir, m, switchboard=p.switchboard if p.switchboard.is_dir() else None,

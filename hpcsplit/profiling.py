@@ -24,6 +24,7 @@ from typing import Any
 
 from hpcsplit._profile_measure import (
     GIB,
+    CellAbandoned,
     Measurement,
     StopOnSignal,
     apply_slice,
@@ -324,7 +325,10 @@ def profile_components(
                         if oom_at is not None and bi > oom_at:
                             writer.write_cell(_inferred_oom(name, bi, si, rank))
                         else:
-                            cell = _measure_cell(sb, fn, name, bi, si, s, dev, pbytes, rank, inputs)
+                            try:
+                                cell = _measure_cell(sb, fn, name, bi, si, s, dev, pbytes, rank, inputs, stop)
+                            except CellAbandoned:
+                                break  # a signal came mid-cell: leave it unmeasured and stop soon
                             writer.write_cell(cell)
                             if cell.oom:
                                 oom_at = bi if oom_at is None else min(oom_at, bi)
@@ -375,6 +379,7 @@ def _measure_cell(
     pbytes: int,
     rank: int,
     cache: dict[int, dict[str, Any]],
+    stop: StopOnSignal,
 ) -> CellResult:
     b = s.batch_sizes[bi]
     if b not in cache:  # activations of every component at this batch size, kept for the run
@@ -393,6 +398,7 @@ def _measure_cell(
         cores_per_node=s.cores_per_node,
         util_window_ms=s.util_window_ms,
         util_sample_ms=s.util_sample_ms,
+        stop=lambda: stop.stopped,
     )
     if m.oom:
         print(
@@ -581,8 +587,8 @@ def profile_components_mpi(
             flush=True,
         )
     signum = summary.get("signal")
-    if signum:
-        comm.barrier()  # the merged file is flushed before any requeue handler runs
+    if signum and summary.get("interrupted"):
+        # rank 0 merged and flushed above; a requeue handler (submitit's) acts on rank 0 only
         call_previous_handler(int(getattr(signal, signum)))
     return result
 
@@ -591,7 +597,7 @@ class ProfileJob:
     """A checkpointable submitit job function for the profile stage.
 
     Submit ``ProfileJob()(entry, cfg, run_dir)`` instead of ``hpcsplit._slurm.job_main`` (with
-    ``max_num_timeout > 0``): on SLURM's USR2 warning or a preemption the ranks finish their cell
+    ``max_num_timeout > 0``): on SLURM's USR2 warning or a preemption the ranks stop after their current run
     and flush, then submitit calls :meth:`checkpoint` and requeues the same call, which resumes
     the profile file.
     """

@@ -25,8 +25,15 @@ from hpcsplit.cluster import GIB, ClusterSpec
 __all__ = ["main", "make_profile", "synthetic_cluster", "synthetic_profile"]
 
 
-def make_profile(components: dict[str, dict[str, Any]], *, batch_sizes: tuple[int, ...], slices: tuple[float, ...],
-                 device_kind: str = "cuda", model: str = "synthetic", cores_per_node: int = 64) -> Any:
+def make_profile(
+    components: dict[str, dict[str, Any]],
+    *,
+    batch_sizes: tuple[int, ...],
+    slices: tuple[float, ...],
+    device_kind: str = "cuda",
+    model: str = "synthetic",
+    cores_per_node: int = 64,
+) -> Any:
     """A :class:`~hpcsplit.profile_io.Profile` in memory from per-component 2-D arrays.
 
     Each component dict has ``latency_ms`` ([n_batch, n_slice], NaN = out of memory),
@@ -39,28 +46,56 @@ def make_profile(components: dict[str, dict[str, Any]], *, batch_sizes: tuple[in
         lat = np.asarray(d["latency_ms"], float)
         oom = np.isnan(lat)
         comps[name] = ComponentProfile(
-            name=name, batch_sizes=tuple(batch_sizes), slices=tuple(float(s) for s in slices),
+            name=name,
+            batch_sizes=tuple(batch_sizes),
+            slices=tuple(float(s) for s in slices),
             latency_ms=np.repeat(lat[:, :, None], 3, axis=2),
             peak_mem_bytes=np.where(oom, np.nan, np.asarray(d["peak_mem_bytes"], float)),
             utilization=np.where(oom, np.nan, np.asarray(d["utilization"], float)),
-            oom=oom, measured=np.ones_like(oom, bool), param_bytes=int(d.get("param_bytes", 0)),
-            input_bytes_per_sample=4, output_bytes_per_sample=4,
+            oom=oom,
+            measured=np.ones_like(oom, bool),
+            param_bytes=int(d.get("param_bytes", 0)),
+            input_bytes_per_sample=4,
+            output_bytes_per_sample=4,
         )
     gpu = device_kind == "cuda"
     meta = ProfileMeta(
-        schema_version=1, hpcsplit_version="0", switchboard_sha256="0" * 64, model=model, host="synthetic",
-        device_kind=device_kind, device_name="synthetic", device_mem_bytes=int(80 * GIB) if gpu else 0,
-        driver_version="", torch_version="", cuda_version="", created_utc="", slice_unit="gb" if gpu else "threads",
-        slice_semantics="synthetic", latency_timer="synthetic", peak_mem_method="synthetic",
-        utilization_method="synthetic", cores_per_node=cores_per_node, warmup=0, iters=3, mig_device="",
-        mps_active_thread_percentage="", mps_pinned_device_mem_limit="", component_order=tuple(components),
+        schema_version=1,
+        hpcsplit_version="0",
+        switchboard_sha256="0" * 64,
+        model=model,
+        host="synthetic",
+        device_kind=device_kind,
+        device_name="synthetic",
+        device_mem_bytes=int(80 * GIB) if gpu else 0,
+        driver_version="",
+        torch_version="",
+        cuda_version="",
+        created_utc="",
+        slice_unit="gb" if gpu else "threads",
+        slice_semantics="synthetic",
+        latency_timer="synthetic",
+        peak_mem_method="synthetic",
+        utilization_method="synthetic",
+        cores_per_node=cores_per_node,
+        warmup=0,
+        iters=3,
+        mig_device="",
+        mps_active_thread_percentage="",
+        mps_pinned_device_mem_limit="",
+        component_order=tuple(components),
         complete=True,
     )
     return Profile(meta=meta, components=comps)
 
 
-def synthetic_profile(n_components: int, *, slices: tuple[float, ...] = (5, 10, 20, 40, 80),
-                      batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), seed: int = 0) -> Any:
+def synthetic_profile(
+    n_components: int,
+    *,
+    slices: tuple[float, ...] = (5, 10, 20, 40, 80),
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    seed: int = 0,
+) -> Any:
     """Realistic-looking GPU profile of ``n_components`` components (deterministic per seed)."""
     rng = np.random.default_rng(seed)
     comps = {}
@@ -76,17 +111,35 @@ def synthetic_profile(n_components: int, *, slices: tuple[float, ...] = (5, 10, 
         util = np.minimum(0.6, u0 * (1 + 0.12 * np.log2(b))) * np.ones_like(s)
         mem = (params + act * b) * np.ones_like(s)
         lat = np.where(mem > s * GIB, np.nan, lat)
-        comps[f"c{c:02d}"] = {"latency_ms": lat, "peak_mem_bytes": mem, "utilization": util, "param_bytes": params}
+        comps[f"c{c:02d}"] = {
+            "latency_ms": lat,
+            "peak_mem_bytes": mem,
+            "utilization": util,
+            "param_bytes": params,
+        }
     return make_profile(comps, batch_sizes=batch_sizes, slices=slices, model=f"synthetic{n_components}")
 
 
-def synthetic_cluster(n_gpus: int, *, gpus_per_node: int = 4, gpu_mem_gb: float = 80,
-                      slices: tuple[float, ...] = (5, 10, 20, 40, 80), cores_per_node: int = 64) -> ClusterSpec:
-    return ClusterSpec.from_config({
-        "name": f"synthetic{n_gpus}", "nodes": max(1, math.ceil(n_gpus / gpus_per_node)),
-        "gpus_per_node": min(gpus_per_node, n_gpus), "gpu_mem_gb": gpu_mem_gb, "slices_gb": list(slices),
-        "cores_per_node": cores_per_node, "mem_gb_per_node": 512, "cpu_threads": [1, 2, 4],
-    })
+def synthetic_cluster(
+    n_gpus: int,
+    *,
+    gpus_per_node: int = 4,
+    gpu_mem_gb: float = 80,
+    slices: tuple[float, ...] = (5, 10, 20, 40, 80),
+    cores_per_node: int = 64,
+) -> ClusterSpec:
+    return ClusterSpec.from_config(
+        {
+            "name": f"synthetic{n_gpus}",
+            "nodes": max(1, math.ceil(n_gpus / gpus_per_node)),
+            "gpus_per_node": min(gpus_per_node, n_gpus),
+            "gpu_mem_gb": gpu_mem_gb,
+            "slices_gb": list(slices),
+            "cores_per_node": cores_per_node,
+            "mem_gb_per_node": 512,
+            "cpu_threads": [1, 2, 4],
+        }
+    )
 
 
 def aggregated_min(prof: Any, cluster: ClusterSpec) -> float:
@@ -100,16 +153,24 @@ def aggregated_min(prof: Any, cluster: ClusterSpec) -> float:
     inst, _ = build_instance(table, cluster, dict.fromkeys(table, 1.0))
     kind = inst.kinds[0]
     n, g = len(kind.items), kind.count
-    rows = [np.array([kind.slice_units[it.slice_idx] for it in kind.items], float),
-            np.array([it.utilization for it in kind.items]), np.ones(n)]
+    rows = [
+        np.array([kind.slice_units[it.slice_idx] for it in kind.items], float),
+        np.array([it.utilization for it in kind.items]),
+        np.ones(n),
+    ]
     ub = [g * kind.capacity_units, g * kind.util_limit, g * kind.max_items]
     for c in range(inst.n_comp):  # t - T_c <= 0
         rows.append(-np.array([it.throughput_rps if it.comp == c else 0.0 for it in kind.items]))
         ub.append(0.0)
     a = np.column_stack([np.array(rows), np.r_[0.0, 0.0, 0.0, np.ones(inst.n_comp)]])
     cost = np.r_[np.zeros(n), -1.0]
-    res = milp(cost, integrality=np.r_[np.ones(n), 0.0], bounds=(0, np.inf),
-               constraints=LinearConstraint(a, -np.inf, np.array(ub)), options={"time_limit": 10.0})
+    res = milp(
+        cost,
+        integrality=np.r_[np.ones(n), 0.0],
+        bounds=(0, np.inf),
+        constraints=LinearConstraint(a, -np.inf, np.array(ub)),
+        options={"time_limit": 10.0},
+    )
     return -float(res.fun) if res.x is not None else float("nan")
 
 
@@ -118,7 +179,9 @@ def main(argv: list[str]) -> int:
 
     from hpcsplit.allocate import allocate
 
-    ap = argparse.ArgumentParser(prog="python -m hpcsplit.bench allocate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcsplit.bench allocate", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--gpus", default="4,16,64,256")
     ap.add_argument("--components", default="3,8,12")
     ap.add_argument("--solvers", default="HIGHS,SCIPY,SCIP")
@@ -128,19 +191,27 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--levels", type=int, default=None, help="leximin stages solved exactly (default: all)")
     ap.add_argument("--stage-time-limit", type=float, default=None)
-    ap.add_argument("--no-aggregated", dest="aggregated", action="store_false",
-                    help="skip the aggregated (per-cluster utilization) upper bound column agg/min")
+    ap.add_argument(
+        "--no-aggregated",
+        dest="aggregated",
+        action="store_false",
+        help="skip the aggregated (per-cluster utilization) upper bound column agg/min",
+    )
     a = ap.parse_args(argv)
     installed = set(cp.installed_solvers())
     solvers = [s for s in a.solvers.split(",") if s in installed]
     skipped = [s for s in a.solvers.split(",") if s not in installed]
-    print(f"allocate bench: 5 slice sizes (5..80 GB), util limit 1.0 per GPU, time limit {a.time_limit:g} s, "
-          f"leximin stages {'all' if a.levels is None else a.levels}")
+    print(
+        f"allocate bench: 5 slice sizes (5..80 GB), util limit 1.0 per GPU, time limit {a.time_limit:g} s, "
+        f"leximin stages {'all' if a.levels is None else a.levels}"
+    )
     allocate(synthetic_profile(2, seed=99), synthetic_cluster(2), time_limit_s=5)  # imports, first-call costs
     if skipped:
         print(f"solvers not installed (skipped): {', '.join(skipped)}")
-    head = (f"{'gpus':>5} {'comps':>5} {'solver':>6} {'mode':>9} {'wall_s':>7} {'cpu_s':>7} {'min_rps':>10} "
-            f"{'gap':>7} {'pats':>5} {'ranks':>6} {'agg/min':>7} note")
+    head = (
+        f"{'gpus':>5} {'comps':>5} {'solver':>6} {'mode':>9} {'wall_s':>7} {'cpu_s':>7} {'min_rps':>10} "
+        f"{'gap':>7} {'pats':>5} {'ranks':>6} {'agg/min':>7} note"
+    )
     print(head)
     print("-" * len(head))
     extra: dict[str, Any] = {} if a.mip_rel_gap is None else {"mip_rel_gap": a.mip_rel_gap}
@@ -169,7 +240,10 @@ def main(argv: list[str]) -> int:
                 note = "TIME LIMIT" if al.solve["time_limit_hit"] else ""
                 if len(solvers) > 1 and s != solvers[0]:
                     note += f" min/{solvers[0]}={ratio:.4f}"
-                print(f"{g:>5} {c:>5} {s:>6} {al.solve['mode']:>9} {dt:>7.2f} {dc:>7.2f} {al.min_normalised_throughput:>10.1f} "
-                      f"{al.solve['gap']:>7.2%} {al.solve['n_patterns']:>5} {len(al.replicas) + 1:>6} "
-                      f"{agg / al.min_normalised_throughput:>7.3f} {note}", flush=True)
+                print(
+                    f"{g:>5} {c:>5} {s:>6} {al.solve['mode']:>9} {dt:>7.2f} {dc:>7.2f} {al.min_normalised_throughput:>10.1f} "
+                    f"{al.solve['gap']:>7.2%} {al.solve['n_patterns']:>5} {len(al.replicas) + 1:>6} "
+                    f"{agg / al.min_normalised_throughput:>7.3f} {note}",
+                    flush=True,
+                )
     return 0

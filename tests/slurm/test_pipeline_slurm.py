@@ -153,6 +153,7 @@ def test_bench_job_killed_by_slurm_keeps_profile_and_resumes(
     assert "submitted profile" not in out
 
 
+@pytest.mark.slow  # SLURM holds a requeued job for about 2 minutes (BeginTime) before it runs again
 @pytest.mark.timeout(1200)
 def test_preempted_profile_job_is_requeued_and_keeps_cells(
     toy_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
@@ -162,7 +163,7 @@ def test_preempted_profile_job_is_requeued_and_keeps_cells(
     run = tmp_path / "run"
     args = [
         "stage=profile", "launcher=slurm", "cluster=dev", f"switchboard={src / 'switchboard'}",
-        "profile.max_batch=8", "profile.iters=200", "profile.threads=[1]", "launcher.poll_s=1", "launcher.poll_max_s=2",
+        "profile.max_batch=16", "profile.iters=3000", "profile.threads=[1]", "launcher.poll_s=1", "launcher.poll_max_s=2",
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpcsplit", *args, f"hydra.run.dir={run}"],
@@ -207,6 +208,7 @@ def _sbatch_wait(*args: str, timeout: float = 900) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_bench_sbatch_script(toy_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
     src, first = toy_run

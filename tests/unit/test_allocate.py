@@ -34,8 +34,16 @@ def gpu_profile(spec: dict[str, list[tuple[int, float, float, float]]], slices=G
 
 
 def gpu_cluster(gpus=2, gpu_mem_gb=40, slices=GPU_SLICES, cores=16, **kw):
-    cfg = {"name": "t", "nodes": 1, "gpus_per_node": gpus, "gpu_mem_gb": gpu_mem_gb, "slices_gb": list(slices),
-           "cores_per_node": cores, "mem_gb_per_node": 64, "cpu_threads": [1, 2]}
+    cfg = {
+        "name": "t",
+        "nodes": 1,
+        "gpus_per_node": gpus,
+        "gpu_mem_gb": gpu_mem_gb,
+        "slices_gb": list(slices),
+        "cores_per_node": cores,
+        "mem_gb_per_node": 64,
+        "cpu_threads": [1, 2],
+    }
     cfg.update(kw)
     return ClusterSpec.from_config(cfg)
 
@@ -45,7 +53,9 @@ def instance_of(prof, cluster, **opts):
     o.update(opts)
     table = _options(prof.components, cluster, o)
     weights = {c: float(o["demand_weights"].get(c, 1.0)) for c in table}
-    inst, _ = build_instance(table, cluster, weights, util_limit=o["util_limit"], frontend_cores=o["frontend_cores"])
+    inst, _ = build_instance(
+        table, cluster, weights, util_limit=o["util_limit"], frontend_cores=o["frontend_cores"]
+    )
     return inst
 
 
@@ -59,10 +69,12 @@ SPEC = {
 }
 
 
+@pytest.mark.parametrize("mode", ["auto", "enumerate"])  # auto: per-device formulation on 2 GPUs
 @pytest.mark.parametrize("weights", [{}, {"dec": 2.0}, {"head": 0.5, "enc": 1.5}])
-def test_leximin_equals_brute_force(weights):
+def test_leximin_equals_brute_force(weights, mode):
     prof, cl = gpu_profile(SPEC), gpu_cluster(gpus=2)
-    al = allocate(prof, cl, demand_weights=weights, **EXACT)
+    al = allocate(prof, cl, demand_weights=weights, mode=mode, **EXACT)
+    assert al.solve["mode"] == ("per-device" if mode == "auto" else "enumerate")
     brute = R.brute_force_leximin(instance_of(prof, cl, demand_weights=weights))
     np.testing.assert_allclose(al.leximin, brute, rtol=1e-5)
     validate_plan(al.to_plan(), prof, cl)
@@ -88,20 +100,35 @@ def test_cpu_nodes_equal_brute_force_and_keep_a_core_for_the_frontend():
     for i, (l0, mem_gb) in enumerate([(2.0, 1.0), (6.0, 2.0), (1.0, 0.5)]):
         b = np.array(bs, float)[:, None]
         t = np.array(th)[None, :]
-        comps[f"p{i}"] = {"latency_ms": l0 * b**0.7 / t**0.8, "peak_mem_bytes": np.full((2, 2), mem_gb * GIB),
-                          "utilization": np.full((2, 2), 0.5)}
+        comps[f"p{i}"] = {
+            "latency_ms": l0 * b**0.7 / t**0.8,
+            "peak_mem_bytes": np.full((2, 2), mem_gb * GIB),
+            "utilization": np.full((2, 2), 0.5),
+        }
     prof = make_profile(comps, batch_sizes=bs, slices=th, device_kind="cpu")
-    cl = ClusterSpec.from_config({"name": "c", "nodes": 2, "gpus_per_node": 0, "cores_per_node": 4,
-                                  "mem_gb_per_node": 4, "cpu_threads": [1, 2]})
-    al = allocate(prof, cl, **EXACT)
+    cl = ClusterSpec.from_config(
+        {
+            "name": "c",
+            "nodes": 2,
+            "gpus_per_node": 0,
+            "cores_per_node": 4,
+            "mem_gb_per_node": 4,
+            "cpu_threads": [1, 2],
+        }
+    )
+    al = allocate(prof, cl, mode="enumerate", **EXACT)
     np.testing.assert_allclose(al.leximin, R.brute_force_leximin(instance_of(prof, cl)), rtol=1e-5)
+    np.testing.assert_allclose(allocate(prof, cl, **EXACT).leximin, al.leximin, rtol=1e-5)
     plan = al.to_plan()
     validate_plan(plan, prof, cl)
     threads = {n: sum(r.threads for r in plan.ranks[1:] if r.node == n) for n in (0, 1)}
     assert threads[0] <= 3 and threads[1] <= 4
     assert all(r.gpu is None and r.slice_gb is None for r in plan.ranks)
     # host memory binds: 0.9 * 4 GB per node
-    mem = {n: sum(comps[r.component]["peak_mem_bytes"][0, 0] for r in plan.ranks[1:] if r.node == n) for n in (0, 1)}
+    mem = {
+        n: sum(comps[r.component]["peak_mem_bytes"][0, 0] for r in plan.ranks[1:] if r.node == n)
+        for n in (0, 1)
+    }
     assert max(mem.values()) <= 0.9 * 4 * GIB
 
 
@@ -152,10 +179,21 @@ def test_slo_restricts_batch_sizes():
 def test_plan_file_png_and_summary(tmp_path, monkeypatch):
     prof, _cl = gpu_profile(SPEC), gpu_cluster(gpus=2)
     monkeypatch.setattr("hpcsplit.profile_io.read_profile", lambda path, **kw: prof)
-    cfg = {"profile": {"path": str(tmp_path / "p.h5")}, "paths": {"plan_filename": "plan.json"},
-           "cluster": {"name": "t", "nodes": 1, "gpus_per_node": 2, "gpu_mem_gb": 40, "slices_gb": [10, 20],
-                       "cores_per_node": 16, "mem_gb_per_node": 64, "cpu_threads": [1]},
-           "allocate": {**DEFAULTS, "time_limit_s": 30}}
+    cfg = {
+        "profile": {"path": str(tmp_path / "p.h5")},
+        "paths": {"plan_filename": "plan.json"},
+        "cluster": {
+            "name": "t",
+            "nodes": 1,
+            "gpus_per_node": 2,
+            "gpu_mem_gb": 40,
+            "slices_gb": [10, 20],
+            "cores_per_node": 16,
+            "mem_gb_per_node": 64,
+            "cpu_threads": [1],
+        },
+        "allocate": {**DEFAULTS, "time_limit_s": 30},
+    }
     out = run_allocate(cfg, tmp_path)
     from hpcsplit.runtime.plan import Plan
 
@@ -196,7 +234,9 @@ def test_component_that_fits_no_slice():
         allocate(gpu_profile(spec), gpu_cluster())
     # measured in a 20 GB slice, but the cluster only offers 10 GB slices
     spec = dict(SPEC, big=[(1, 1.0, 15.0, 0.2), (4, 2.0, 18.0, 0.3)])
-    with pytest.raises(AllocationInfeasibleError, match=r"'big' fits no slice.*at least 15\.00 GB.*\[10\.0\] GB"):
+    with pytest.raises(
+        AllocationInfeasibleError, match=r"'big' fits no slice.*at least 15\.00 GB.*\[10\.0\] GB"
+    ):
         allocate(gpu_profile(spec), gpu_cluster(slices=(10.0,)))
 
 
@@ -213,10 +253,25 @@ def test_more_components_than_slots():
 
 
 def test_cpu_too_few_cores_names_the_way_out():
-    prof = make_profile({f"p{i}": {"latency_ms": [[1.0]], "peak_mem_bytes": [[1e6]], "utilization": [[0.5]]}
-                         for i in range(3)}, batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
-    cl = ClusterSpec.from_config({"name": "l", "nodes": 1, "gpus_per_node": 0, "cores_per_node": 2,
-                                  "mem_gb_per_node": 8, "cpu_threads": [1]})
+    prof = make_profile(
+        {
+            f"p{i}": {"latency_ms": [[1.0]], "peak_mem_bytes": [[1e6]], "utilization": [[0.5]]}
+            for i in range(3)
+        },
+        batch_sizes=(1,),
+        slices=(1.0,),
+        device_kind="cpu",
+    )
+    cl = ClusterSpec.from_config(
+        {
+            "name": "l",
+            "nodes": 1,
+            "gpus_per_node": 0,
+            "cores_per_node": 2,
+            "mem_gb_per_node": 8,
+            "cpu_threads": [1],
+        }
+    )
     with pytest.raises(AllocationInfeasibleError, match=r"frontend.*cores_per_node"):
         allocate(prof, cl, cpu_oversubscribe=False)
     # by default a too-small CPU node is oversubscribed (one 1-thread rank per component), and said so
@@ -240,16 +295,29 @@ def test_slo_below_the_fastest_batch_one():
 
 def test_contradictory_settings_are_listed_together():
     with pytest.raises(AllocationError) as e:
-        allocate(gpu_profile(SPEC), gpu_cluster(), demand_weights={"audio": 1.0, "enc": -1}, slo_ms={"nope": 3},
-                 solver="NOSUCH")
+        allocate(
+            gpu_profile(SPEC),
+            gpu_cluster(),
+            demand_weights={"audio": 1.0, "enc": -1},
+            slo_ms={"nope": 3},
+            solver="NOSUCH",
+        )
     msg = str(e.value)
     for needle in ("'audio'", "'enc': -1", "'nope'", "NOSUCH", "HIGHS"):
         assert needle in msg
 
 
 def test_profile_and_cluster_device_mismatch():
-    cpu = ClusterSpec.from_config({"name": "l", "nodes": 1, "gpus_per_node": 0, "cores_per_node": 4,
-                                   "mem_gb_per_node": 8, "cpu_threads": [1]})
+    cpu = ClusterSpec.from_config(
+        {
+            "name": "l",
+            "nodes": 1,
+            "gpus_per_node": 0,
+            "cores_per_node": 4,
+            "mem_gb_per_node": 8,
+            "cpu_threads": [1],
+        }
+    )
     with pytest.raises(AllocationError, match=r"measured on cuda.*cluster 'l' is cpu"):
         allocate(gpu_profile(SPEC), cpu)
 
@@ -270,16 +338,40 @@ def test_time_limit_keeps_a_valid_plan_and_reports_it():
 # ------------------------------------------------------------------------------------------ cluster
 def test_cluster_config_errors_are_collected():
     with pytest.raises(ConfigError) as e:
-        ClusterSpec.from_config({"name": "x", "nodes": 0, "gpus_per_node": 2, "gpu_mem_gb": 40, "slices_gb": [50],
-                                 "mig_profiles": ["1g.5gb", "2g.10gb"], "scheduler": "pbs", "colour": 1})
+        ClusterSpec.from_config(
+            {
+                "name": "x",
+                "nodes": 0,
+                "gpus_per_node": 2,
+                "gpu_mem_gb": 40,
+                "slices_gb": [50],
+                "mig_profiles": ["1g.5gb", "2g.10gb"],
+                "scheduler": "pbs",
+                "colour": 1,
+            }
+        )
     msg = str(e.value)
-    for needle in ("nodes = 0", "slices_gb [50.0] exceed", "mig_profiles has 2", "scheduler = 'pbs'", "colour"):
+    for needle in (
+        "nodes = 0",
+        "slices_gb [50.0] exceed",
+        "mig_profiles has 2",
+        "scheduler = 'pbs'",
+        "colour",
+    ):
         assert needle in msg
 
 
 def test_cluster_defaults_to_this_machine():
-    spec = ClusterSpec.from_config({"name": "l", "nodes": 1, "gpus_per_node": 0, "cpu_threads": [1],
-                                    "cores_per_node": None, "mem_gb_per_node": None})
+    spec = ClusterSpec.from_config(
+        {
+            "name": "l",
+            "nodes": 1,
+            "gpus_per_node": 0,
+            "cpu_threads": [1],
+            "cores_per_node": None,
+            "mem_gb_per_node": None,
+        }
+    )
     assert spec.cores_per_node >= 1 and spec.mem_gb_per_node > 0 and spec.device_kind == "cpu"
 
 
@@ -299,8 +391,9 @@ def test_zero_weight_gets_one_replica_and_no_say():
     al = allocate(prof, cl, demand_weights={"head": 0}, **EXACT)
     assert sum(1 for r in al.replicas if r.option.component == "head") >= 1
     assert len(al.leximin) == 2
-    np.testing.assert_allclose(al.leximin, R.brute_force_leximin(instance_of(prof, cl, demand_weights={"head": 0})),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        al.leximin, R.brute_force_leximin(instance_of(prof, cl, demand_weights={"head": 0})), rtol=1e-5
+    )
 
 
 def test_several_profiles_are_merged_and_names_must_differ():

@@ -19,9 +19,14 @@ def _plan(**kw) -> Plan:
         RankEntry(3, "component", 1, 0, 20.0, 4, "image", 4, 0),
     )
     args = {
-        "model": "clip", "switchboard_sha256": "ab" * 32, "device_kind": "cuda", "nodes": 2, "ranks": ranks,
+        "model": "clip",
+        "switchboard_sha256": "ab" * 32,
+        "device_kind": "cuda",
+        "nodes": 2,
+        "ranks": ranks,
         "predicted_throughput_rps": {"text": 200.0, "image": 50.0},
-        "utilization": {"n0/g0": 0.3, "n0/g1": 0.3, "n1/g0": 0.6}, "meta": {"solver": "HIGHS"},
+        "utilization": {"n0/g0": 0.3, "n0/g1": 0.3, "n1/g0": 0.6},
+        "meta": {"solver": "HIGHS"},
     }
     args.update(kw)
     return Plan(**args)
@@ -73,7 +78,10 @@ def test_invalid_plans_raise(change, needle):
 
 
 def test_cpu_plan_rejects_gpu_fields():
-    ranks = (RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0), RankEntry(1, "component", 0, 0, 5.0, 2, "a", 1, 0))
+    ranks = (
+        RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0),
+        RankEntry(1, "component", 0, 0, 5.0, 2, "a", 1, 0),
+    )
     with pytest.raises(PlanError, match="device_kind cpu"):
         Plan("m", None, "cpu", 1, ranks, {"a": 1.0}, {"n0/cpu": 0.5})
 

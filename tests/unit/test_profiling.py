@@ -88,6 +88,20 @@ def test_measure_callable_records_oom_and_propagates_other_errors() -> None:
         measure_callable(broken, (torch.ones(2),), warmup=1, iters=2)
 
 
+def test_measure_callable_abandons_the_cell_when_asked_to_stop() -> None:
+    from hpcsplit._profile_measure import CellAbandoned
+
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x + 1
+
+    with pytest.raises(CellAbandoned):
+        measure_callable(fn, (torch.ones(2),), warmup=2, iters=50, stop=lambda: len(calls) >= 4)
+    assert len(calls) == 4  # stopped before the 5th run, not after all 52
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
 def test_nvml_sampler_without_gpu_gives_nan() -> None:
     from hpcsplit._profile_measure import _NvmlSampler

@@ -1,0 +1,344 @@
+"""Allocation inputs: options from profiles, SLO filtering, dominance, and the solver instance.
+
+Internal to :mod:`hpcsplit.allocate` (see ``[Note: allocation options]`` there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from hpcsplit import _packing as _P
+from hpcsplit.cluster import GIB, ClusterSpec
+from hpcsplit.errors import AllocationError, AllocationInfeasibleError
+
+__all__ = ["Option", "build_instance", "component_options", "prune_dominated"]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to run one replica of a component (see ``[Note: allocation options]``)."""
+
+    component: str
+    batch_size: int
+    slice_size: float  # GB (GPU) or threads (CPU), as the cluster names it
+    profile_slice: float  # the profile column the figures come from
+    throughput_rps: float
+    latency_ms: float  # the SLO quantile of the latency
+    mem_bytes: float
+    utilization: float
+
+
+def _slo_of(o: dict[str, Any], comp: str) -> float | None:
+    slo = o["slo_ms"]
+    if isinstance(slo, Mapping):
+        v = slo.get(comp)
+        return None if v is None else float(v)
+    return None if slo is None else float(slo)
+
+
+# ------------------------------------------------------------------------------------------ options
+def _pick_column(
+    cp: Any, b: int, s_target: float, slice_bytes: float | None, allow_larger: bool
+) -> int | None:
+    """Profile slice column for a cluster slice (see ``[Note: allocation options]``)."""
+    usable = [
+        j
+        for j, s in enumerate(cp.slices)
+        if bool(cp.measured[b, j]) and not bool(cp.oom[b, j]) and math.isfinite(cp.latency_p50_ms(b, j))
+    ]
+    exact = [j for j in usable if abs(cp.slices[j] - s_target) < 1e-6]
+    if exact:
+        return exact[0]
+    below = [j for j in usable if cp.slices[j] < s_target]
+    if below:
+        return max(below, key=lambda j: cp.slices[j])
+    if allow_larger and slice_bytes is not None:
+        above = [j for j in usable if _mem(cp, b, j) <= slice_bytes]
+        if above:
+            return min(above, key=lambda j: cp.slices[j])
+    return None
+
+
+def _mem(cp: Any, b: int, j: int) -> float:
+    v = float(cp.peak_mem_bytes[b, j])
+    return v if math.isfinite(v) else 0.0
+
+
+def component_options(cp: Any, cluster: ClusterSpec, *, slo_quantile: float = 0.99) -> list[Option]:
+    """Every usable (batch, cluster slice) option of one component, ignoring SLOs."""
+    out: list[Option] = []
+    sizes = cluster.slices_gb if cluster.is_gpu else tuple(float(t) for t in cluster.cpu_threads)
+    for b, batch in enumerate(cp.batch_sizes):
+        for size in sizes:
+            sb = size * GIB if cluster.is_gpu else None
+            j = _pick_column(cp, b, size, sb, allow_larger=cluster.is_gpu and not cluster.mig_profiles)
+            if j is None:
+                continue
+            mem = _mem(cp, b, j)
+            if sb is not None and mem > sb:
+                continue
+            if cluster.is_gpu:
+                u = float(cp.utilization[b, j])
+                util = u if math.isfinite(u) else 1.0  # unknown: assume it needs the whole GPU
+            else:
+                util = size / cluster.cores_per_node
+            thr = float(cp.throughput_rps(b, j))
+            if not (math.isfinite(thr) and thr > 0):
+                continue
+            lat = float(cp.latency_quantile_ms(b, j, slo_quantile))
+            out.append(Option(cp.name, int(batch), float(size), float(cp.slices[j]), thr, lat, mem, util))
+    return out
+
+
+def _options(comps: Mapping[str, Any], cluster: ClusterSpec, o: dict[str, Any]) -> dict[str, list[Option]]:
+    table: dict[str, list[Option]] = {}
+    errs: list[AllocationError] = []
+    unit = "GB" if cluster.is_gpu else "threads"
+    for name, cp in comps.items():
+        opts = component_options(cp, cluster, slo_quantile=float(o["slo_quantile"]))
+        if not opts:
+            errs.append(AllocationInfeasibleError(_no_slice_message(name, cp, cluster, unit)))
+            continue
+        fits = [x for x in opts if x.utilization <= float(o["util_limit"]) + 1e-9]
+        if not fits:
+            lo = min(opts, key=lambda x: x.utilization)
+            errs.append(
+                AllocationInfeasibleError(
+                    f"component {name!r} fits no GPU: its lowest utilization is {lo.utilization:.0%} (batch "
+                    f"{lo.batch_size}, {lo.slice_size:g} {unit}) above util_limit {float(o['util_limit']):.0%}; "
+                    "raise allocate.util_limit or re-partition this component into smaller ones"
+                )
+            )
+            continue
+        slo = _slo_of(o, name)
+        if slo is not None:
+            ok = [x for x in fits if x.latency_ms <= slo]
+            if not ok:
+                fastest = min(fits, key=lambda x: x.latency_ms)
+                smallest = min(cp.batch_sizes)
+                if smallest > 1:
+                    errs.append(
+                        AllocationError(
+                            f"component {name!r}: the latency SLO {slo:g} ms needs a batch size below the profiled "
+                            f"ones: its smallest profiled batch {smallest} takes {fastest.latency_ms:.3g} ms "
+                            f"(q={o['slo_quantile']}); profile smaller batches (profile.batch_sizes=[1, ...]) "
+                            "or raise allocate.slo_ms"
+                        )
+                    )
+                else:
+                    errs.append(
+                        AllocationInfeasibleError(
+                            f"component {name!r} cannot meet the latency SLO {slo:g} ms: its fastest option "
+                            f"(batch {fastest.batch_size}, {fastest.slice_size:g} {unit}) takes "
+                            f"{fastest.latency_ms:.3g} ms (q={o['slo_quantile']}); raise allocate.slo_ms to at "
+                            f"least {math.ceil(fastest.latency_ms * 100) / 100:g} or split the component further"
+                        )
+                    )
+                continue
+            fits = ok
+        table[name] = prune_dominated(fits)
+    if errs:
+        if len(errs) == 1:
+            raise errs[0]
+        cls = (
+            AllocationInfeasibleError
+            if all(isinstance(e, AllocationInfeasibleError) for e in errs)
+            else AllocationError
+        )
+        raise cls("\n".join(str(e) for e in errs))
+    return table
+
+
+def _no_slice_message(name: str, cp: Any, cluster: ClusterSpec, unit: str) -> str:
+    meas = np.asarray(cp.measured, bool) & ~np.asarray(cp.oom, bool)
+    if not meas.any():
+        big = max(cp.slices) if cp.slices else 0
+        return (
+            f"component {name!r} fits no slice: it ran out of memory at every profiled batch size (smallest "
+            f"{min(cp.batch_sizes)}) even in the largest profiled slice ({big:g} {unit}; parameters "
+            f"{cp.param_bytes / GIB:.2f} GB); add a larger slice to cluster.slices_gb (up to gpu_mem_gb = "
+            f"{cluster.gpu_mem_gb:g}) and profile it, or split the component further"
+        )
+    mems = np.where(meas, np.nan_to_num(np.asarray(cp.peak_mem_bytes, float), nan=0.0), np.inf)
+    need = float(mems.min()) / GIB
+    have = list(cluster.slices_gb if cluster.is_gpu else cluster.cpu_threads)
+    if cluster.is_gpu:
+        return (
+            f"component {name!r} fits no slice: it needs at least {need:.2f} GB (smallest batch) but the "
+            f"cluster's slices are {have} GB and the profile measured slices {list(cp.slices)}; add a larger "
+            "slice to cluster.slices_gb (up to gpu_mem_gb) or split the component further"
+        )
+    return (
+        f"component {name!r} fits no thread count: the profile measured threads {list(cp.slices)} and the "
+        f"cluster allows cpu_threads {have}; profile with those thread counts (profile.threads) or change "
+        "cluster.cpu_threads"
+    )
+
+
+# ------------------------------------------------------------------------------------- device kinds
+def _units(sizes: Sequence[float], capacity: float) -> tuple[tuple[int, ...], int]:
+    fr = [Fraction(s).limit_denominator(1000) for s in sizes]
+    den = math.lcm(*(f.denominator for f in fr))
+    nums = [int(f * den) for f in fr]
+    g = math.gcd(*nums)
+    unit = Fraction(g, den)
+    return tuple(int(f / unit) for f in fr), int(Fraction(capacity).limit_denominator(1000) / unit)
+
+
+def prune_dominated(opts: Sequence[Option]) -> list[Option]:
+    """Drop options another option of the same component and slice beats in every figure.
+
+    j dominates i when ``throughput_j >= throughput_i``, ``utilization_j <= utilization_i`` and
+    ``mem_j <= mem_i``: swapping i for j in any placement keeps it valid and loses nothing, so
+    the optimum is unchanged (ties keep the smaller batch, i.e. the lower latency).
+    """
+    keep: list[Option] = []
+    for i, a in enumerate(opts):
+        dominated = False
+        for j, b in enumerate(opts):
+            if i == j or b.component != a.component or b.slice_size != a.slice_size:
+                continue
+            no_worse = (
+                b.throughput_rps >= a.throughput_rps
+                and b.utilization <= a.utilization
+                and b.mem_bytes <= a.mem_bytes
+            )
+            better = (
+                b.throughput_rps > a.throughput_rps
+                or b.utilization < a.utilization
+                or b.mem_bytes < a.mem_bytes
+                or (b.batch_size, j) < (a.batch_size, i)
+            )
+            if no_worse and better:
+                dominated = True
+                break
+        if not dominated:
+            keep.append(a)
+    return keep
+
+
+def build_instance(
+    table: Mapping[str, Sequence[Option]],
+    cluster: ClusterSpec,
+    weights: Mapping[str, float],
+    *,
+    util_limit: float = 1.0,
+    frontend_cores: int = 1,
+    max_ranks_per_gpu: int | None = None,
+    cpu_mem_fraction: float = 0.9,
+    extra_cores_node0: int = 0,
+) -> tuple[_P.Instance, list[list[tuple[int, int]]]]:
+    """The solver's instance, and per kind the (node, gpu) of its devices in order.
+
+    Returns the instance and, per device kind, the list of ``(node, gpu or -1)`` it stands for.
+    """
+    names = list(table)
+    idx = {c: i for i, c in enumerate(names)}
+    w = tuple(float(weights.get(c, 1.0)) for c in names)
+    kinds: list[_P.DeviceKind] = []
+    where: list[list[tuple[int, int]]] = []
+    if cluster.is_gpu:
+        sizes = cluster.slices_gb
+        units, cap = _units(sizes, cluster.gpu_mem_gb)
+        layouts = None
+        if cluster.slice_layouts:
+            layouts = tuple(
+                tuple(sum(1 for x in lay if abs(x - s) < 1e-9) for s in sizes)
+                for lay in cluster.slice_layouts
+            )
+        per_gpu = max(1, (cluster.cores_per_node - frontend_cores) // cluster.gpus_per_node)
+        if max_ranks_per_gpu:
+            per_gpu = int(max_ranks_per_gpu)
+        items = tuple(
+            _P.Item(
+                idx[o.component],
+                o.batch_size,
+                sizes.index(o.slice_size),
+                o.throughput_rps,
+                o.utilization,
+                o.mem_bytes,
+                o.latency_ms,
+            )
+            for c in names
+            for o in table[c]
+        )
+        kinds.append(
+            _P.DeviceKind("gpu", cluster.total_gpus, sizes, units, cap, util_limit, per_gpu, items, layouts)
+        )
+        where.append([(n, g) for n in range(cluster.nodes) for g in range(cluster.gpus_per_node)])
+    else:
+        sizes = tuple(float(t) for t in cluster.cpu_threads)
+        items = tuple(
+            _P.Item(
+                idx[o.component],
+                o.batch_size,
+                sizes.index(o.slice_size),
+                o.throughput_rps,
+                o.utilization,
+                o.mem_bytes,
+                o.latency_ms,
+            )
+            for c in names
+            for o in table[c]
+        )
+        mem = cluster.mem_bytes_per_node * cpu_mem_fraction
+        units = tuple(int(t) for t in cluster.cpu_threads)
+        cap0 = cluster.cores_per_node - frontend_cores + extra_cores_node0
+        if cap0 > 0:
+            # on CPU the thread budget is the limit (utilization = threads / cores says the same)
+            kinds.append(_P.DeviceKind("cpu-node0", 1, sizes, units, cap0, math.inf, cap0, items, None, mem))
+            where.append([(0, -1)])
+        if cluster.nodes > 1:
+            cap = cluster.cores_per_node
+            kinds.append(
+                _P.DeviceKind("cpu", cluster.nodes - 1, sizes, units, cap, math.inf, cap, items, None, mem)
+            )
+            where.append([(n, -1) for n in range(1, cluster.nodes)])
+    return _P.Instance(len(names), w, tuple(kinds)), where
+
+
+def _max_slots(kind: _P.DeviceKind) -> int:
+    if kind.layouts is not None:
+        per = max(sum(lay) for lay in kind.layouts)
+    else:
+        per = kind.capacity_units // min(kind.slice_units)
+    return kind.count * min(per, kind.max_items)
+
+
+def _cpu_deficit(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, frontend_cores: int) -> int:
+    """Cores missing on a CPU cluster for one smallest rank per component (0 when they fit)."""
+    if cluster.is_gpu:
+        return 0
+    need = sum(min(int(o.slice_size) for o in opts) for opts in table.values())
+    have = max(0, cluster.cores_per_node - frontend_cores) + (cluster.nodes - 1) * cluster.cores_per_node
+    return max(0, need - have)
+
+
+def _check_slots(instance: _P.Instance, names: list[str], cluster: ClusterSpec, frontend_cores: int) -> None:
+    slots = sum(_max_slots(k) for k in instance.kinds)
+    if slots >= len(names):
+        return
+    if cluster.is_gpu:
+        what = (
+            f"{cluster.total_gpus} GPU(s) x at most {_max_slots(instance.kinds[0]) // max(1, cluster.total_gpus)} "
+            f"slice(s) of {min(cluster.slices_gb):g} GB"
+        )
+        way = "add nodes (cluster.nodes), allow smaller slices (cluster.slices_gb), or partition into fewer components"
+    else:
+        what = (
+            f"{cluster.nodes} node(s) x {cluster.cores_per_node} cores, {frontend_cores} kept for the frontend, "
+            f"at least {min(cluster.cpu_threads)} thread(s) per rank"
+        )
+        way = (
+            "set cluster.cores_per_node higher (oversubscribe), allocate.frontend_cores=0, add nodes, "
+            "or partition into fewer components"
+        )
+    raise AllocationInfeasibleError(
+        f"{len(names)} components {names} but only {slots} slot(s) for replicas: {what}; {way}"
+    )

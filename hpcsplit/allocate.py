@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys as _sys
 import time
+import types as _types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -496,3 +498,15 @@ def run_allocate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "time_limit_hit": alloc.solve.get("time_limit_hit"),
         "solver": alloc.solve.get("solver"),
     }
+
+
+# [Note: callable stage modules]
+# `hpcsplit.allocate` is both this module and the public function of the same name. Once the module
+# has been imported, the package attribute `hpcsplit.allocate` is the module, so we make the module
+# callable: `hpcsplit.allocate(profiles, cluster)` works whatever was imported first.
+class _CallableModule(_types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Allocation:
+        return allocate(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -26,7 +26,18 @@ _LAZY = {
     "Plan": "hpcsplit.runtime.plan",
 }
 
-__all__ = ["__version__", "HpcsplitError", *_LAZY]
+__all__ = [
+    "Allocation",
+    "HpcsplitError",
+    "Plan",
+    "Profile",
+    "Switchboard",
+    "__version__",
+    "allocate",
+    "export",
+    "profile_components",
+    "read_profile",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcsplit.allocate import Allocation, allocate

@@ -12,13 +12,13 @@ from typing import Any
 
 from hpcsplit.errors import WorldSizeError
 
-__all__ = ["get_comm", "check_world_size", "abort", "mpi_library_version", "MPI"]
+__all__ = ["MPI", "abort", "check_world_size", "get_comm", "mpi_library_version"]
 
 # Initialise threads only as needed; the runtime polls from one thread.
 import mpi4py
 
 mpi4py.rc.thread_level = "serialized"
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
 
 def get_comm(comm: Any | None = None) -> Any:

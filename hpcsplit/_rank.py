@@ -51,7 +51,7 @@ def run_rank(entry: str, cfg: dict[str, Any], run_dir: str, comm: Any | None = N
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(out, indent=2, default=str))
         return out
-    except BaseException as e:  # noqa: BLE001 - any failure must abort every rank
+    except BaseException as e:
         if isinstance(e, SystemExit) and not e.code:
             raise
         sys.stderr.write(f"[rank {rank}] {type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -7,20 +7,20 @@ pattern: what was found, what was needed, and what to do about it.
 from __future__ import annotations
 
 __all__ = [
-    "HpcsplitError",
-    "ConfigError",
-    "CaptureError",
-    "PartitionError",
-    "SwitchboardError",
-    "VerificationError",
-    "ProfileError",
-    "ProfileFormatError",
     "AllocationError",
     "AllocationInfeasibleError",
-    "PlanError",
-    "RuntimeStageError",
-    "RequestTimeoutError",
+    "CaptureError",
+    "ConfigError",
+    "HpcsplitError",
     "LaunchError",
+    "PartitionError",
+    "PlanError",
+    "ProfileError",
+    "ProfileFormatError",
+    "RequestTimeoutError",
+    "RuntimeStageError",
+    "SwitchboardError",
+    "VerificationError",
     "WorldSizeError",
 ]
 

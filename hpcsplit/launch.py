@@ -135,18 +135,25 @@ _STEP_VARS = (
 
 def _local_env(mpiexec: str, echo: Echo) -> dict[str, str]:
     """Environment of local ranks.  Inside an srun step (e.g. Hydra's submitit launcher) MPICH's
-    mpiexec would start its proxies with srun, which waits for resources the step already holds:
+    mpiexec would start its proxies with srun, which waits for resources the step already holds;
+    in a one-node batch script the proxy's step variables would reach the ranks.  In both cases
     fork the ranks on this node instead, and hide the outer step's task variables from them.
-    In a batch script (no step) mpiexec uses the allocation as usual."""
+    In a multi-node batch script mpiexec uses the allocation (srun) as usual."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env:
+    in_step = "SLURM_JOB_ID" in env and "SLURM_STEP_ID" in env
+    # A one-node batch script (slurm/pipeline.sbatch): MPICH would start its proxy with srun, whose
+    # step variables (SLURM_NTASKS = 1 proxy) reach the ranks and fail their world-size check.
+    one_node_batch = "SLURM_JOB_ID" in env and not in_step and env.get("SLURM_JOB_NUM_NODES", "1") == "1"
+    if in_step or one_node_batch:
         if mpiexec_flavour(mpiexec) == "mpich" and "HYDRA_BOOTSTRAP" not in env:
             env["HYDRA_BOOTSTRAP"] = "fork"
-            echo(
-                f"[hpcsplit] inside SLURM step {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}: ranks forked here"
-            )
+            where = f"step {env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if in_step else f"job {env['SLURM_JOB_ID']}"
+            echo(f"[hpcsplit] inside SLURM {where} (one node): ranks forked here")
         for var in _STEP_VARS:
             env.pop(var, None)
+    elif "SLURM_JOB_ID" in env:
+        echo("[hpcsplit] launcher=local inside a multi-node SLURM allocation: mpiexec starts ranks through srun; "
+             "if they fail their world-size check, use launcher=slurm (one job per MPI stage) instead")
     return env
 
 

@@ -247,3 +247,17 @@ def test_pipeline_sbatch_chains_jobs_with_dependencies(tmp_path: Path) -> None:
     from hpcsplit.profile_io import read_profile
 
     assert read_profile(run / "profile.h5").complete and (run / "plan.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_pipeline_sbatch_in_one_allocation(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    over = ["+experiment=toy", "cluster=dev", "profile.max_batch=2", "profile.iters=3", "bench.qps=[20]",
+            "bench.duration_s=1", "bench.warmup_s=0.2"]
+    res = _sbatch_wait(f"--output={tmp_path}/job.out", "slurm/pipeline.sbatch", str(run), *over, timeout=1400)
+    log = (tmp_path / "job.out").read_text()
+    assert res.returncode == 0, log[-3000:]
+    assert "ranks forked here" in log  # mpiexec inside a one-node batch job
+    stages = json.loads((run / "manifest.json").read_text())["stages"]
+    assert all(s["status"] == "done" for s in stages.values()) and (run / "summary.md").is_file()

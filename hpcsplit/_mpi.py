@@ -34,7 +34,7 @@ def check_world_size(comm: Any | None = None, expected: int | None = None) -> No
     """
     comm = get_comm(comm)
     size = comm.Get_size()
-    ntasks = os.environ.get("SLURM_NTASKS") if os.environ.get("SLURM_STEP_ID") is not None else None
+    ntasks = os.environ.get("SLURM_NTASKS") if _started_by_srun() else None
     if ntasks is not None and int(ntasks) != size:
         raise WorldSizeError(
             f"MPI world size is {size} but SLURM started {ntasks} tasks (SLURM_NTASKS). "
@@ -46,6 +46,18 @@ def check_world_size(comm: Any | None = None, expected: int | None = None) -> No
             f"this job needs {expected} MPI ranks but runs with {size}; "
             f"start it with `mpiexec -n {expected}` (or --ntasks={expected} under SLURM)."
         )
+
+
+def _started_by_srun() -> bool:
+    """True when srun (not a process manager such as MPICH's or Open MPI's mpiexec) started this rank.
+
+    ``mpiexec`` inside an sbatch allocation inherits the allocation's ``SLURM_*`` variables, which then
+    describe the allocation, not this MPI world; Hydra (MPICH) sets ``MPI_LOCALNRANKS`` and Open MPI
+    sets ``OMPI_COMM_WORLD_SIZE`` in the ranks it starts.
+    """
+    if "MPI_LOCALNRANKS" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return False
+    return os.environ.get("SLURM_STEP_ID") is not None and "SLURM_PROCID" in os.environ
 
 
 def abort(comm: Any | None = None, code: int = 1) -> None:

@@ -52,9 +52,13 @@ def run_rank(entry: str, cfg: dict[str, Any], run_dir: str, comm: Any | None = N
             path.write_text(json.dumps(out, indent=2, default=str))
         return out
     except BaseException as e:
-        if isinstance(e, SystemExit) and not e.code:
-            raise
-        sys.stderr.write(f"[rank {rank}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        if isinstance(e, SystemExit):
+            if not e.code:
+                raise
+            # e.g. submitit exiting after a checkpoint/requeue signal: expected, no traceback
+            sys.stderr.write(f"[rank {rank}] exiting with code {e.code}\n")
+        else:
+            sys.stderr.write(f"[rank {rank}] {type(e).__name__}: {e}\n{traceback.format_exc()}")
         sys.stderr.write(f"[rank {rank}] aborting the MPI job\n")
         _mpi.abort(comm, 1)
         raise

@@ -43,15 +43,26 @@ def _slo_of(o: dict[str, Any], comp: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------ options
-def _pick_column(
-    cp: Any, b: int, s_target: float, slice_bytes: float | None, allow_larger: bool
-) -> int | None:
-    """Profile slice column for a cluster slice (see ``[Note: allocation options]``)."""
-    usable = [
+def _usable_columns(cp: Any, b: int) -> list[int]:
+    """Profile slice columns measured, not out of memory and with a finite median at batch index b."""
+    return [
         j
         for j, s in enumerate(cp.slices)
         if bool(cp.measured[b, j]) and not bool(cp.oom[b, j]) and math.isfinite(cp.latency_p50_ms(b, j))
     ]
+
+
+def _pick_column(
+    cp: Any,
+    b: int,
+    s_target: float,
+    slice_bytes: float | None,
+    allow_larger: bool,
+    usable: list[int] | None = None,
+) -> int | None:
+    """Profile slice column for a cluster slice (see ``[Note: allocation options]``)."""
+    if usable is None:
+        usable = _usable_columns(cp, b)
     exact = [j for j in usable if abs(cp.slices[j] - s_target) < 1e-6]
     if exact:
         return exact[0]
@@ -75,9 +86,12 @@ def component_options(cp: Any, cluster: ClusterSpec, *, slo_quantile: float = 0.
     out: list[Option] = []
     sizes = cluster.slices_gb if cluster.is_gpu else tuple(float(t) for t in cluster.cpu_threads)
     for b, batch in enumerate(cp.batch_sizes):
+        usable = _usable_columns(cp, b)
         for size in sizes:
             sb = size * GIB if cluster.is_gpu else None
-            j = _pick_column(cp, b, size, sb, allow_larger=cluster.is_gpu and not cluster.mig_profiles)
+            j = _pick_column(
+                cp, b, size, sb, allow_larger=cluster.is_gpu and not cluster.mig_profiles, usable=usable
+            )
             if j is None:
                 continue
             mem = _mem(cp, b, j)

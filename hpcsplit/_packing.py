@@ -243,10 +243,11 @@ def _dp_price(
     groups = []
     for u in np.unique(units[keep]):
         js = np.flatnonzero(keep & (units == u))
-        # gather index: source column g - w_j (shifted by grid + 1 into a -inf pad)
-        src = np.arange(grid + 1)[None, :] - w[js][:, None] + grid + 1
-        groups.append((int(u), js, src, vals[js][:, None]))
+        # source column g - w_j, shifted by grid + 1 into a -inf pad: window grid + 1 - w_j of the pad
+        groups.append((int(u), js, grid + 1 - w[js], vals[js][:, None]))
     pad = np.full(2 * (grid + 1), -np.inf)
+    windows = np.lib.stride_tricks.sliding_window_view(pad, grid + 1)  # views: follow pad's updates
+    cols = np.arange(grid + 1)
     for m in range(cap):
         row = dp[m]
         if not np.isfinite(row).any():
@@ -256,9 +257,9 @@ def _dp_price(
             t = m + u
             if t > cap:
                 continue
-            cand = pad[src] + v
+            cand = windows[src] + v
             arg = np.argmax(cand, axis=0)
-            best_c = cand[arg, np.arange(grid + 1)]
+            best_c = cand[arg, cols]
             better = best_c > dp[t] + 1e-12
             if better.any():
                 dp[t, better] = best_c[better]

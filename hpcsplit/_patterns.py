@@ -136,28 +136,43 @@ def _stage(base: _Base, k: int, fixed: Mapping[int, float], *, slack: float | No
     ns = nc if slack is not None else 0
     nd = 0 if ks == [1] else m * na
     nv = n0 + m + nd + ns
-    blocks = [sp.hstack([base.A, sp.csr_matrix((base.A.shape[0], nv - n0))])]
-    # r_j - Y z - d_jc <= 0
+    # assembled as one COO matrix (rows: base, r_t - Y z - d_t <= 0 per stage t, fixed stages, replicas)
+    Ac, Yc, Rc = base.A.tocoo(), base.Y.tocoo(), base.R.tocoo()
+    nb = base.A.shape[0]
+    rows_i = [Ac.row]
+    cols_i = [Ac.col]
+    vals = [Ac.data]
+    ar = np.arange(na)
     for t in range(m):
-        rj = sp.csr_matrix((np.ones(na), (np.arange(na), np.full(na, t))), shape=(na, m))
+        off = nb + t * na
+        rows_i += [Yc.row + off, ar + off]
+        cols_i += [Yc.col, np.full(na, n0 + t)]
+        vals += [-Yc.data, np.ones(na)]
         if nd:
-            dj = sp.csr_matrix((-np.ones(na), (np.arange(na), t * na + np.arange(na))), shape=(na, nd))
-        else:
-            dj = sp.csr_matrix((na, 0))
-        blocks.append(sp.hstack([-base.Y, rj, dj, sp.csr_matrix((na, ns))]))
+            rows_i.append(ar + off)
+            cols_i.append(n0 + m + t * na + ar)
+            vals.append(-np.ones(na))
     b_parts = [base.b, np.zeros(m * na)]
+    row = nb + m * na
     # -(j r_j - sum d_j) <= -S_j  for the fixed stages
     for t, j in enumerate(ks[:-1]):
-        r = np.zeros(nv)
-        r[n0 + t] = -j
-        r[n0 + m + t * na : n0 + m + (t + 1) * na] = 1.0
-        blocks.append(sp.csr_matrix(r))
+        rows_i += [np.array([row]), np.full(na, row)]
+        cols_i += [np.array([n0 + t]), n0 + m + t * na + ar]
+        vals += [np.array([-float(j)]), np.ones(na)]
         b_parts.append(np.array([-fixed[j]]))
+        row += 1
     # replicas: -R z (- s) <= -1
-    sblock = -sp.identity(nc, format="csr") if ns else sp.csr_matrix((nc, 0))
-    blocks.append(sp.hstack([-base.R, sp.csr_matrix((nc, m + nd)), sblock]))
+    rows_i.append(Rc.row + row)
+    cols_i.append(Rc.col)
+    vals.append(-Rc.data)
+    if ns:
+        rows_i.append(np.arange(nc) + row)
+        cols_i.append(n0 + m + nd + np.arange(nc))
+        vals.append(-np.ones(nc))
     b_parts.append(-np.ones(nc))
-    A = sp.vstack(blocks, format="csr")
+    A = sp.csr_matrix(
+        (np.concatenate(vals), (np.concatenate(rows_i), np.concatenate(cols_i))), shape=(row + nc, nv)
+    )
     b = np.concatenate(b_parts)
     c = np.zeros(nv)
     c[n0 + m - 1] = -k
@@ -195,8 +210,13 @@ def _solve_milp(
     time_limit_s: float,
     mip_rel_gap: float,
     extra: dict | None = None,
+    start: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, str, float]:
-    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf)."""
+    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf).
+
+    ``start``: a point z satisfying stage k's constraints (the previous stage's solution), handed
+    to HiGHS as its first incumbent so that it prunes from the start (other solvers ignore it).
+    """
     import cvxpy as cp
 
     c, A, b, lb, ub, _ = _stage(base, k, fixed, slack=None)
@@ -215,12 +235,27 @@ def _solve_milp(
         sel = np.flatnonzero(fin)
         cons.append(zp[sel] <= ub[perm][sel])
     prob = cp.Problem(cp.Minimize(c[perm] @ zp), cons)
+    warm = False
+    if start is not None and solver == "HIGHS":
+        x0 = _stage_point(base, k, fixed, start, len(c))[perm]
+        warm = _seed_highs(prob, parts, x0)
     try:
         with warnings.catch_warnings():  # a time-limited solve warns "inaccurate"; we check the point
             warnings.filterwarnings("ignore", message="Solution may be inaccurate")
-            prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap), **(extra or {}))
+            prob.solve(
+                solver=solver,
+                warm_start=warm,
+                **_solver_opts(solver, time_limit_s, mip_rel_gap),
+                **(extra or {}),
+            )
     except cp.error.SolverError as e:
         return None, f"solver error: {e}", math.inf
+    except Exception:
+        if not warm:
+            raise
+        # the warm start went through cvxpy internals; solve again cold rather than fail
+        getattr(prob, "_solver_cache", {}).pop("HIGHS", None)
+        prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap), **(extra or {}))
     upper = _dual_bound(prob)
     if zp.value is None:
         return None, str(prob.status), upper
@@ -232,6 +267,53 @@ def _solve_milp(
     if not _feasible(base, z, k, fixed):
         return None, f"{prob.status} (no feasible integer point)", upper
     return z, str(prob.status), upper
+
+
+def _stage_point(base: _Base, k: int, fixed: Mapping[int, float], z: np.ndarray, nv: int) -> np.ndarray:
+    """Stage k's variables ``[z, r_j, d_j]`` (see :func:`_stage`) at the integer point ``z``:
+    r_j is the j-th smallest y, d_jc = max(0, r_j - y_c), so ``j r_j - sum d_j`` is the sum of
+    the j smallest."""
+    ks = [*sorted(fixed), k]
+    m = len(ks)
+    n0 = base.A.shape[1]
+    y = base.Y @ z
+    ys = np.sort(y)
+    x = np.zeros(nv)
+    x[:n0] = z
+    for t, j in enumerate(ks):
+        x[n0 + t] = ys[j - 1]
+    if nv > n0 + m:
+        na = len(y)
+        for t, j in enumerate(ks):
+            x[n0 + m + t * na : n0 + m + (t + 1) * na] = np.maximum(0.0, ys[j - 1] - y)
+    return x
+
+
+def _seed_highs(prob: Any, parts: Sequence[Any], x0: np.ndarray) -> bool:
+    """Put ``x0`` (the values of ``parts``, concatenated) where cvxpy's HiGHS interface looks for
+    a warm start: its solver cache, which the first compilation resets, so compile first.
+
+    The constraints are linear, so HiGHS's columns are the variables' entries in the order cvxpy
+    lists the problem's variables; no warm start (False) when that is not ``parts``.
+    """
+    try:
+        import highspy as hp
+    except ImportError:  # pragma: no cover - cvxpy's HIGHS needs highspy
+        return False
+    if [v.id for v in prob.variables()] != [v.id for v in parts]:
+        return False
+    try:  # cvxpy-internal cache (checked on cvxpy 1.9): anything unexpected means no warm start
+        prob.get_problem_data("HIGHS")
+        sol = hp.HighsSolution()
+        sol.col_value = [float(v) for v in x0]
+        sol.value_valid = True
+        cache = prob._solver_cache
+        if not isinstance(cache, dict):
+            return False
+        cache["HIGHS"] = (None, None, {"model_status": "kOptimal", "solution": sol})
+    except Exception:  # noqa: BLE001 - a warm start is an optimisation only
+        return False
+    return True
 
 
 def _dual_bound(prob) -> float:
@@ -306,7 +388,14 @@ def _leximin(
                 stages.append(StageInfo(k, have, bound, "optimal", time.perf_counter() - ts, n_patterns()))
                 fixed[k] = have - tol * max(1.0, abs(have))
                 continue
-        z, status, upper = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap)
+        start = z_best
+        if start is None and fallback is not None:  # stage 1: the rounded LP solution, if it is one
+            start = fallback()
+            if start is not None:
+                start = _pad(start, base)
+                if not _feasible(base, start, k, fixed):
+                    start = None
+        z, status, upper = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap, start=start)
         if complete:  # the solver's bound covers every pattern only when the pool has them all
             bound = min(bound, upper)
         if status != "optimal":
@@ -340,7 +429,9 @@ def _leximin(
             base = base_fn()
             z = _pad(z, base)
             left = time_limit_s - (time.perf_counter() - t0)
-            z2, status2, _ = _solve_milp(base, k, fixed, solver, max(0.1, min(cap, left / 2)), mip_rel_gap)
+            z2, status2, _ = _solve_milp(
+                base, k, fixed, solver, max(0.1, min(cap, left / 2)), mip_rel_gap, start=z
+            )
             better = z2 is not None and _sum_smallest(base.Y @ z2, k) > val * (1 + 1e-9)
             if better and z2 is not None:
                 z, status, val = z2, status2, _sum_smallest(base.Y @ z2, k)

@@ -237,6 +237,25 @@ def prune_dominated(opts: Sequence[Option]) -> list[Option]:
     return keep
 
 
+def _items(
+    table: Mapping[str, Sequence[Option]], names: Sequence[str], idx: Mapping[str, int], sizes: tuple[float, ...]
+) -> tuple[_P.Item, ...]:
+    """Every usable (component, batch, slice) option as a packing item, slices indexed into ``sizes``."""
+    return tuple(
+        _P.Item(
+            idx[o.component],
+            o.batch_size,
+            sizes.index(o.slice_size),
+            o.throughput_rps,
+            o.utilization,
+            o.mem_bytes,
+            o.latency_ms,
+        )
+        for c in names
+        for o in table[c]
+    )
+
+
 def build_instance(
     table: Mapping[str, Sequence[Option]],
     cluster: ClusterSpec,
@@ -269,38 +288,14 @@ def build_instance(
         per_gpu = max(1, (cluster.cores_per_node - frontend_cores) // cluster.gpus_per_node)
         if max_ranks_per_gpu:
             per_gpu = int(max_ranks_per_gpu)
-        items = tuple(
-            _P.Item(
-                idx[o.component],
-                o.batch_size,
-                sizes.index(o.slice_size),
-                o.throughput_rps,
-                o.utilization,
-                o.mem_bytes,
-                o.latency_ms,
-            )
-            for c in names
-            for o in table[c]
-        )
+        items = _items(table, names, idx, sizes)
         kinds.append(
             _P.DeviceKind("gpu", cluster.total_gpus, sizes, units, cap, util_limit, per_gpu, items, layouts)
         )
         where.append([(n, g) for n in range(cluster.nodes) for g in range(cluster.gpus_per_node)])
     else:
         sizes = tuple(float(t) for t in cluster.cpu_threads)
-        items = tuple(
-            _P.Item(
-                idx[o.component],
-                o.batch_size,
-                sizes.index(o.slice_size),
-                o.throughput_rps,
-                o.utilization,
-                o.mem_bytes,
-                o.latency_ms,
-            )
-            for c in names
-            for o in table[c]
-        )
+        items = _items(table, names, idx, sizes)
         mem = cluster.mem_bytes_per_node * cpu_mem_fraction
         units = tuple(int(t) for t in cluster.cpu_threads)
         cap0 = cluster.cores_per_node - frontend_cores + extra_cores_node0

@@ -140,16 +140,7 @@ def _plot(out: Path, results: dict[str, Any]) -> list[str]:
         q = [s.offered_qps for s in r["levels"]]
         ax.plot(q, [s.p50_ms for s in r["levels"]], "o-", label=f"{variant} p50")
         ax.plot(q, [s.p99_ms for s in r["levels"]], "x--", label=f"{variant} p99")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("offered load (requests/s)")
-    ax.set_ylabel("latency (ms)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "latency_vs_qps.png", dpi=120)
-    plt.close(fig)
-    files.append(str(out / "latency_vs_qps.png"))
+    files.append(_save_qps_axes(fig, ax, "latency (ms)", out / "latency_vs_qps.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     allq: list[float] = []
     for variant, r in results.items():
@@ -158,16 +149,7 @@ def _plot(out: Path, results: dict[str, Any]) -> list[str]:
         ax.plot(q, [s.achieved_qps for s in r["levels"]], "o-", label=variant)
     if allq:
         ax.plot(sorted(set(allq)), sorted(set(allq)), ":", color="gray", label="offered")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("offered load (requests/s)")
-    ax.set_ylabel("achieved throughput (requests/s)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "throughput_vs_qps.png", dpi=120)
-    plt.close(fig)
-    files.append(str(out / "throughput_vs_qps.png"))
+    files.append(_save_qps_axes(fig, ax, "achieved throughput (requests/s)", out / "throughput_vs_qps.png"))
     return files
 
 
@@ -222,3 +204,19 @@ def finish(ctx: Any, results: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the measurements
         _say(f"could not plot: {e}")
     return summary
+
+
+def _save_qps_axes(fig: Any, ax: Any, ylabel: str, path: Path) -> str:
+    """Log-log axes against offered load, legend, saved as PNG and closed; returns the path."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

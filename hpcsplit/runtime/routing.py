@@ -25,7 +25,7 @@ requests.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpcsplit.errors import PlanError
@@ -340,13 +340,10 @@ def whole_plan(plan: Plan) -> Plan:
         if r.role == "frontend":
             ranks.append(r)
             continue
-        ranks.append(RankEntry(r.rank, r.role, r.node, r.gpu, r.slice_gb, r.threads, WHOLE, r.batch_size, k))
+        ranks.append(replace(r, component=WHOLE, replica=k))
         k += 1
-    return Plan(
-        model=plan.model,
-        switchboard_sha256=plan.switchboard_sha256,
-        device_kind=plan.device_kind,
-        nodes=plan.nodes,
+    return replace(
+        plan,
         ranks=tuple(ranks),
         predicted_throughput_rps={WHOLE: 0.0},
         utilization=dict(plan.utilization),

@@ -23,7 +23,7 @@ import sys as _sys
 import time
 import types as _types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "stage_time_limit_s": 0.5,
     "leximin_levels": None,
     "cpu_oversubscribe": True,
+    "cpu_timeshare": True,
 }
 
 
@@ -355,9 +356,47 @@ def allocate(
         alloc.solve["notes"].append(
             f"node 0 oversubscribed by {extra} core(s): throughput predictions optimistic"
         )
+        if o["cpu_timeshare"] and cluster.nodes == 1:  # (a node short of cores among several: not modelled)
+            alloc = _timeshare(alloc, cluster, weights, float(o["cpu_mem_fraction"]))
     if not alloc.replicas:  # never hand back an empty plan
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, "no replica placed"))
     return alloc
+
+
+def _timeshare(alloc: Allocation, cluster: ClusterSpec, weights: dict[str, float], mem_fraction: float) -> Allocation:
+    """Node 0's ranks share its cores: add replicas of the bottleneck while that pays (``_timeshare``)."""
+    from hpcsplit._timeshare import add_timeshared_replicas
+
+    reps, ts = add_timeshared_replicas(
+        alloc.replicas, weights, float(cluster.cores_per_node), cluster.mem_bytes_per_node * mem_fraction
+    )
+    if ts is None:
+        return alloc
+    thr = {c: float(sum(r.option.throughput_rps for r in reps if r.option.component == c)) for c in alloc.components}
+    threads0 = sum(int(r.option.slice_size) for r in reps if r.node == 0)
+    added_threads = threads0 - sum(int(r.option.slice_size) for r in alloc.replicas if r.node == 0)
+    solve = dict(alloc.solve)
+    solve["oversubscribed_cores"] = int(solve.get("oversubscribed_cores", 0)) + added_threads
+    solve["notes"] = [*solve.get("notes", []), ts.note()]
+    solve["timeshare"] = {
+        "added": ts.added,
+        "rate_before_rps": ts.rate_before,
+        "rate_after_rps": ts.rate_after,
+        "core_ceiling_rps": ts.core_ceiling,
+    }
+    log.info("%s", ts.note())
+    util = dict(alloc.device_utilization)
+    from hpcsplit.runtime.plan import device_key
+
+    util[device_key(0, None)] = threads0 / cluster.cores_per_node
+    return replace(
+        alloc,
+        replicas=tuple(reps),
+        throughput_rps=thr,
+        leximin=tuple(sorted(thr[c] / weights[c] for c in alloc.components if weights[c] > 0)),
+        device_utilization=util,
+        solve=solve,
+    )
 
 
 def _infeasible_message(table: Mapping[str, Sequence[Option]], cluster: ClusterSpec, status: str) -> str:

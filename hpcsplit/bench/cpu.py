@@ -19,7 +19,6 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -150,11 +149,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--idle-s", type=float, default=3.0)
     p.add_argument("--inflight", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=300.0)
-    p.add_argument("--mpiexec", default=shutil.which("mpiexec") or "mpiexec")
+    p.add_argument("--mpiexec", default=None, help="default: the one beside this Python, else PATH")
     p.add_argument("--only", default="ceiling,idle,omp", help="comma list of: ceiling, idle, omp")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from hpcsplit.launch import find_mpiexec
+
+    args.mpiexec = find_mpiexec(args.mpiexec)
     if args.child:
         return _child(args)
     only = set(args.only.split(","))

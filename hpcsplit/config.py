@@ -45,12 +45,13 @@ _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_./:+@~%-]+$")
 
 
 def conf_dir() -> Path:
-    """The ``conf/`` folder: at the repository root (editable install) or inside the package.
+    """The ``conf/`` folder: at the repository root (editable install) or inside the package (a wheel
+    carries it as ``hpcsplit/conf``).
 
     Raises
     ------
     ConfigError
-        When neither exists (a non-editable install without package data).
+        When neither exists (a broken or partial install).
     """
     here = Path(__file__).resolve().parent
     for cand in (here.parent / "conf", here / "conf"):
@@ -58,7 +59,8 @@ def conf_dir() -> Path:
             return cand
     raise ConfigError(
         f"found no conf/config.yaml next to the hpcsplit package ({here.parent / 'conf'}); "
-        "install hpcsplit from a source checkout with `pip install -e .` (see scripts/setup.sh)."
+        "the install is incomplete: reinstall hpcsplit (`pip install .` or `pip install -e .` from the source "
+        "checkout, see scripts/setup.sh); its wheel carries conf/ as hpcsplit/conf."
     )
 
 

@@ -7,7 +7,9 @@
    Target: >= 5,000 requests/s (the runtime is never the bottleneck).
 2. **Idle CPU**: % of one core used by a component rank waiting for work for ``--idle-s`` seconds,
    our polling loop (``Backoff``) vs a plain blocking MPICH ``Recv``.  Target: < 2% of a core.
-3. **OMP_WAIT_POLICY**: throughput of a 2-component MLP chain whose ranks each use 2 OpenMP threads
+3. **Wake-up**: latency of requests 100 ms apart (every rank asleep when one comes) with the doorbell
+   (``runtime.doorbell``, ``[Note: doorbell]``) and with plain sleeps.
+4. **OMP_WAIT_POLICY**: throughput of a 2-component MLP chain whose ranks each use 2 OpenMP threads
    while sharing the cores (oversubscribed), PASSIVE vs ACTIVE.
 
 Each scenario runs as its own ``mpiexec -n 3`` job (OpenMP reads its settings at startup).
@@ -81,6 +83,20 @@ def _child(args: argparse.Namespace) -> int:
             comm.Recv([np.zeros(1), MPI.DOUBLE], source=0, tag=5)
             comm.send({"cpu_pct": 100 * (cpu_seconds() - c0) / (time.perf_counter() - t0)}, dest=0, tag=6)
         return 0
+    from hpcsplit.runtime import mailbox as mb
+
+    db = None
+    if os.environ.get("HPCSPLIT_DOORBELL", "1") != "0":  # as the runtime does (runtime.doorbell)
+        from hpcsplit.runtime.doorbell import Doorbell
+
+        db = Doorbell(comm)
+        mb.install_doorbell(db)
+
+    def _close() -> None:
+        if db is not None:
+            mb.install_doorbell(None)
+            db.close()
+
     if rank != 0:
         if scn == "omp":
             torch.manual_seed(rank)
@@ -95,6 +111,7 @@ def _child(args: argparse.Namespace) -> int:
         counters = serve_component(comm, df, df.rank_component[rank], fn, args.batch, 0.0)
         req = comm.isend(counters, dest=0, tag=9)
         tp.wait_polling(req.Test)
+        _close()
         return 0
     fe = Frontend(comm, df)
     width = 512 if scn == "omp" else 16
@@ -107,6 +124,11 @@ def _child(args: argparse.Namespace) -> int:
                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     if scn == "idle":
         time.sleep(args.idle_s)  # components wait in their loops
+    elif scn == "wake":  # one request every 100 ms: each finds the ranks asleep (deep sleep after 50 ms)
+        res = fe.run(np.arange(args.requests) * 0.1, get, None, 60.0, args.inflight)
+        lat = res.latency_ms[res.ok]
+        out.update(requests=args.requests, ok=int(res.ok.sum()), p50_ms=float(np.percentile(lat, 50)),
+                   p90_ms=float(np.percentile(lat, 90)))
     else:
         n = args.requests
         fe.run(np.zeros(min(200, n)), get, None, 60.0, args.inflight)  # warm up
@@ -124,6 +146,7 @@ def _child(args: argparse.Namespace) -> int:
     out["component_cpu_pct"] = [100 * s["cpu_s"] / s["wall_s"] for s in stats]
     out["component_batches"] = [s["batches"] for s in stats]
     print(_RESULT + json.dumps(out), flush=True)
+    _close()
     return 0
 
 
@@ -150,7 +173,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--inflight", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--mpiexec", default=None, help="default: the one beside this Python, else PATH")
-    p.add_argument("--only", default="ceiling,idle,omp", help="comma list of: ceiling, idle, omp")
+    p.add_argument("--only", default="ceiling,idle,wake,omp", help="comma list of: ceiling, idle, wake, omp")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -177,11 +200,19 @@ def main(argv: list[str]) -> int:
         ours = _launch(args, "idle", {"OMP_NUM_THREADS": "1"})
         mpich = _launch(args, "idle_recv", {"OMP_NUM_THREADS": "1"})
         worst = max(ours["component_cpu_pct"])
-        print(f"{'hpcsplit loop (Improbe + backoff to 2 ms)':<44} "
+        print(f"{'hpcsplit loop (sleeps to 10 ms, doorbell)':<44} "
               + "  ".join(f"{x:6.2f}%" for x in ours["component_cpu_pct"])
               + f"   target: {'met' if worst < 2 else 'MISSED'}")
         print(f"{'blocking MPI Recv (MPICH busy-polls)':<44} "
               + "  ".join(f"{x:6.2f}%" for x in mpich["idle_cpu_pct"]))
+    if "wake" in only:
+        print("\n## wake-up: one request every 100 ms through 2 trivial components (3 hops to ranks asleep), "
+              "latency with the doorbell (runtime.doorbell=true) and without")
+        res = {}
+        for name, val in (("doorbell", "1"), ("sleep only", "0")):
+            res[name] = r = _launch(args, "wake", {"OMP_NUM_THREADS": "1", "HPCSPLIT_DOORBELL": val}, requests=30)
+            print(f"{name:<12} p50 {r['p50_ms']:7.3f} ms  p90 {r['p90_ms']:7.3f} ms  ({r['ok']} requests)")
+        print(f"sleep only / doorbell p50: {res['sleep only']['p50_ms'] / res['doorbell']['p50_ms']:.1f}x")
     if "omp" in only:
         print(f"\n## OMP_WAIT_POLICY with ranks sharing cores: 2 MLP components x 2 threads on {os.cpu_count()} "
               f"cores, {args.omp_requests} requests, batch 8")

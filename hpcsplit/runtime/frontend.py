@@ -246,7 +246,7 @@ class Frontend:
                 bd = self.df.input_bdims
                 sel = [(slot, take_requests(inputs[i], bd[i], pos), bd[i][0]) for i, slot in pairs]
                 self.outbox.add(tp.isend_message(self.comm, rank, tp.KIND_DATA, [ids[k] for k in pos],
-                                                 [routes[k] for k in pos], sel))
+                                                 [routes[k] for k in pos], sel), rank)
         self.tracer.span("admit_send", t_a, time.perf_counter(), ids)
         return finished
 
@@ -258,7 +258,7 @@ class Frontend:
         :meth:`drop_strays`, which the caller keeps calling until the components report back.
         """
         for r in self.df.entry_ranks():
-            self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP))
+            self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP), r)
         self.outbox.drain(timeout_s=30.0)
 
     def drop_strays(self) -> int:

@@ -13,9 +13,25 @@ import torch
 
 from hpcsplit.runtime.transport import Message, RecvHandle, SendHandle, poll_message, wait_polling
 
-__all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox"]
+__all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell", "ring"]
 
 IN_FLIGHT_SLEEP_S = 50e-6
+DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, no select)
+DOORBELL_DEEP_SLEEP_S = 10e-3  # deep sleep when every rank of the job is on this node (all can ring)
+
+_DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
+
+
+def install_doorbell(db: Any) -> None:
+    """Make idle sleeps end when another rank of the node rings (None: plain sleeps again)."""
+    global _DOORBELL
+    _DOORBELL = db
+
+
+def ring(dest: int) -> None:
+    """After a send to ``dest``: wake it if it sleeps on this node (no-op without a doorbell)."""
+    if _DOORBELL is not None:
+        _DOORBELL.ring(dest)
 
 
 class Backoff:
@@ -56,8 +72,17 @@ class Backoff:
         if wake_at is not None:
             s = min(s, max(0.0, wake_at - now))
         if s > 0:
-            time.sleep(s)
+            db = _DOORBELL
+            if db is not None and not in_flight and s >= DOORBELL_MIN_SLEEP_S:
+                if db.sleep(s):  # rung by a sender on this node: a message is coming; MPICH's first
+                    self.reset()  # probe after a sleep often misses it, so poll back to back again
+                    return
+            else:
+                time.sleep(s)
         ceiling = self.deep_sleep_s if idle_for > self.deep_after_s else self.max_sleep_s
+        if ceiling == self.deep_sleep_s and _DOORBELL is not None and _DOORBELL.all_local:
+            # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
+            ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
         self._sleep = min(self._sleep * 2, ceiling)
 
 
@@ -100,7 +125,10 @@ class Outbox:
         self._calls = 0
         self.t_last_add = 0.0
 
-    def add(self, h: SendHandle) -> None:
+    def add(self, h: SendHandle, dest: int | None = None) -> None:
+        """Keep ``h`` until it completes; ``dest`` (its destination) is rung if it sleeps on this node."""
+        if dest is not None and _DOORBELL is not None:
+            _DOORBELL.ring(dest)
         if not h.test():
             self.pending.append(h)
             self.t_last_add = time.perf_counter()

@@ -54,6 +54,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "verify_rtol": 1e-3,
     "abort_grace_s": 3.0,
     "idle_sleep_ms": 2.0,
+    "doorbell": True,  # [Note: doorbell] in runtime/doorbell.py
     "fault": None,  # tests: {component, kind: raise|sleep, after_batches, sleep_s, times}
 }
 
@@ -245,7 +246,7 @@ def serve_component(
                 if not outbox.drain(timeout_s=120.0):
                     _say(rank, f"{name}: {len(outbox.pending)} send(s) still not received 120 s after STOP")
                 for r in df.downstream_ranks(name):
-                    outbox.add(tp.isend_message(comm, r, tp.KIND_STOP))
+                    outbox.add(tp.isend_message(comm, r, tp.KIND_STOP), r)
                 outbox.drain(timeout_s=120.0)
                 break
             if worked:
@@ -273,7 +274,7 @@ def _send_outputs(comm: Any, outbox: Any, groups: Any, items: list[Any], outs: t
         for dest, pos in by_rank.items():
             sel = [(slot, take_requests(outs[j], out_bdims[j], pos), out_bdims[j][0]) for j, slot in pairs]
             outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
-                                        [routes[k] for k in pos], sel, aux=path_us))
+                                        [routes[k] for k in pos], sel, aux=path_us), dest)
     tracer.span("send", t0, time.perf_counter(), ids)
 
 
@@ -288,6 +289,9 @@ def _report_and_raise(comm: Any, msg: str, grace_s: float, exc: BaseException) -
     try:
         payload = torch.frombuffer(bytearray(msg.encode("utf-8")), dtype=torch.uint8)
         h = tp.isend_message(comm, 0, tp.KIND_ERROR, (), (), [(0, payload)], aux=len(payload))
+        from hpcsplit.runtime import mailbox as mb
+
+        mb.ring(0)
         tp.wait_polling(h.test, timeout_s=grace_s)
         time.sleep(grace_s)  # the frontend aborts the job; if it cannot, we do below
     finally:
@@ -349,7 +353,20 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
             _say(rank, f"{vname} " + df.format())
     ctx = session.Context(comm=comm, cfg=cfg, rt=rt, plan=plan, sb=sb, run_dir=run_path, device=device,
                           threads=choice)
+    from hpcsplit.runtime import mailbox as mb
+
+    db = None
+    if rt["doorbell"]:  # [Note: doorbell]
+        from hpcsplit.runtime.doorbell import Doorbell
+
+        db = Doorbell(comm)
+        mb.install_doorbell(db)
     if entry.role == "frontend":
-        return session.run_frontend(ctx, variants)
-    session.run_component_rank(ctx, variants, entry)
-    return None
+        out: dict[str, Any] | None = session.run_frontend(ctx, variants)
+    else:
+        session.run_component_rank(ctx, variants, entry)
+        out = None
+    if db is not None:  # collective, so only on success: a failing rank aborts the whole job instead
+        mb.install_doorbell(None)
+        db.close()
+    return out

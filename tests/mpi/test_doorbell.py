@@ -1,0 +1,94 @@
+"""The doorbell under real ``mpiexec``: a sleeping rank is woken by a ring, a busy one is not rung."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+if MPIEXEC is None:  # pragma: no cover
+    pytest.skip("no mpiexec on PATH", allow_module_level=True)
+
+SCRIPT = r'''
+import json, time
+import torch
+from mpi4py import MPI
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime import mailbox as mb
+from hpcsplit.runtime.doorbell import Doorbell
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+db = Doorbell(comm)
+out = {}
+# 1. rank 1 sleeps (10 s timeout); rank 0 sends it a message and rings once the flag is up
+if rank == 1:
+    out["rung"] = db.sleep(10.0, db.probe_header)
+    out["wakeups"] = db.wakeups
+    out["got"] = tp.recv_message(comm, source=0).header.request_ids
+elif rank == 0:
+    while not db.flags[1]:
+        time.sleep(1e-3)
+    h = tp.isend_message(comm, 1, tp.KIND_DATA, (7,), (), [(0, torch.ones(3))])
+    out["ring_sleeper"] = db.ring(1)
+    h.wait()
+    out["ring_busy"] = db.ring(2)  # rank 2 is in the barrier below, not sleeping: no byte
+comm.Barrier()
+# 2. nobody rings: the sleep ends at its timeout
+if rank == 1:
+    out["timeout"] = db.sleep(0.05, db.probe_header)
+comm.Barrier()
+# 3. the message is there before the flag goes up: the probe after raising it sees it, no ring needed
+if rank == 0:
+    tp.send_message(comm, 1, tp.KIND_DATA, (8,), (), [(0, torch.ones(3))])
+comm.Barrier()
+if rank == 1:
+    out["probe_first"] = db.sleep(10.0, db.probe_header)
+    out["wakeups_after"] = db.wakeups
+    tp.recv_message(comm, source=0)
+# 4. through the mailbox: Backoff sleeps with the doorbell installed, Outbox.add rings
+mb.install_doorbell(db)
+comm.Barrier()
+if rank == 1:
+    b = mb.Backoff(spin_s=0.0, max_sleep_s=5.0, deep_sleep_s=5.0)
+    b._sleep = 5.0
+    inbox = mb.Inbox(comm)
+    while not inbox.poll():
+        b.idle(time.perf_counter())
+    out["backoff_wakeups"] = db.wakeups
+elif rank == 0:
+    while not db.flags[1]:
+        time.sleep(1e-3)
+    ob = mb.Outbox()
+    ob.add(tp.isend_message(comm, 1, tp.KIND_DATA, (9,), (), [(0, torch.ones(3))]), 1)
+    ob.drain(10.0)
+    out["rings"] = db.rings
+comm.Barrier()
+mb.install_doorbell(None)
+db.close()
+res = comm.gather(out, root=0)
+if rank == 0:
+    print("RESULT " + json.dumps(res))
+'''
+
+
+def test_sleeping_rank_is_woken_and_busy_rank_not_rung(tmp_path: Path) -> None:
+    script = tmp_path / "doorbell_job.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], check=False, capture_output=True,
+                       text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    r0, r1, _r2 = json.loads(line[len("RESULT "):])
+    assert r0["ring_sleeper"] is True and r0["ring_busy"] is False
+    assert r1["rung"] is True and r1["wakeups"] == 1 and r1["got"] == [7]
+    assert r1["timeout"] is False
+    assert r1["probe_first"] is True and r1["wakeups_after"] == 1  # woken by the probe, not a ring
+    assert r1["backoff_wakeups"] == 2 and r0["rings"] == 2

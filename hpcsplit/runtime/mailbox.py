@@ -40,7 +40,9 @@ class Backoff:
 
     Call :meth:`reset` whenever the loop did work and :meth:`idle` when it found none.  A rank idle for
     long wakes ``1 / deep_sleep_s`` times a second for an ``Iprobe`` instead of spinning a whole core in
-    MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives.
+    MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives,
+    unless a doorbell is installed (:func:`install_doorbell`): then a sender on the node wakes it at once
+    and, when the whole job is on this node, the deep sleep grows to ``DOORBELL_DEEP_SLEEP_S``.
     """
 
     __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
@@ -79,8 +81,9 @@ class Backoff:
                     return
             else:
                 time.sleep(s)
-        ceiling = self.deep_sleep_s if idle_for > self.deep_after_s else self.max_sleep_s
-        if ceiling == self.deep_sleep_s and _DOORBELL is not None and _DOORBELL.all_local:
+        deep = idle_for > self.deep_after_s
+        ceiling = self.deep_sleep_s if deep else self.max_sleep_s
+        if deep and _DOORBELL is not None and _DOORBELL.all_local:
             # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
             ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
         self._sleep = min(self._sleep * 2, ceiling)

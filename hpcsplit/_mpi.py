@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from hpcsplit.errors import WorldSizeError
@@ -60,11 +61,20 @@ def _started_by_srun() -> bool:
     return os.environ.get("SLURM_STEP_ID") is not None and "SLURM_PROCID" in os.environ
 
 
+ABORT_FORWARD_S = 0.5  # seconds between flushing stdio and MPI_Abort (see abort)
+
+
 def abort(comm: Any | None = None, code: int = 1) -> None:
-    """Flush stdio and abort every rank of the job (never returns)."""
+    """Flush stdio, give the launcher a moment to forward it, and abort every rank of the job (never returns).
+
+    MPICH's ``mpiexec`` (hydra) tears the job down on ``MPI_Abort`` and can drop output still on its way
+    from the ranks: a CI run once lost the very error line that explained the abort.  Half a second
+    lets it through; an abort is the slow path anyway.
+    """
     try:
         sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(ABORT_FORWARD_S)
     finally:
         get_comm(comm).Abort(code)
 

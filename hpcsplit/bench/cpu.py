@@ -83,18 +83,13 @@ def _child(args: argparse.Namespace) -> int:
             comm.Recv([np.zeros(1), MPI.DOUBLE], source=0, tag=5)
             comm.send({"cpu_pct": 100 * (cpu_seconds() - c0) / (time.perf_counter() - t0)}, dest=0, tag=6)
         return 0
-    from hpcsplit.runtime import mailbox as mb
+    from hpcsplit.runtime.doorbell import start_doorbell
 
-    db = None
-    if os.environ.get("HPCSPLIT_DOORBELL", "1") != "0":  # as the runtime does (runtime.doorbell)
-        from hpcsplit.runtime.doorbell import Doorbell
-
-        db = Doorbell(comm)
-        mb.install_doorbell(db)
+    # as the runtime does (runtime.doorbell)
+    db = start_doorbell(comm) if os.environ.get("HPCSPLIT_DOORBELL", "1") != "0" else None
 
     def _close() -> None:
         if db is not None:
-            mb.install_doorbell(None)
             db.close()
 
     if rank != 0:

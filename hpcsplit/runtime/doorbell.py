@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Doorbell"]
+__all__ = ["Doorbell", "start_doorbell"]
 
 
 class Doorbell:
@@ -105,7 +105,25 @@ class Doorbell:
         return bool(self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=TAG_HEADER))
 
     def close(self) -> None:
-        """Collective: free the shared flags and the node communicator, close the socket."""
+        """Collective: uninstall it from the rank loops, free the shared flags and the node communicator,
+        close the socket."""
+        from hpcsplit.runtime import mailbox
+
+        if mailbox._DOORBELL is self:
+            mailbox.install_doorbell(None)
         self.sock.close()
         self.win.Free()
         self.node.Free()
+
+
+def start_doorbell(comm: Any) -> Doorbell:
+    """Collective: make this rank's doorbell and install it in the rank loops (:mod:`mailbox`).
+
+    Close it with :meth:`Doorbell.close` on every rank once the loops are done, and only on success
+    (a failing rank aborts the whole job instead of reaching the collective close).
+    """
+    from hpcsplit.runtime import mailbox
+
+    db = Doorbell(comm)
+    mailbox.install_doorbell(db)
+    return db

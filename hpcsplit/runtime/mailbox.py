@@ -130,8 +130,8 @@ class Outbox:
 
     def add(self, h: SendHandle, dest: int | None = None) -> None:
         """Keep ``h`` until it completes; ``dest`` (its destination) is rung if it sleeps on this node."""
-        if dest is not None and _DOORBELL is not None:
-            _DOORBELL.ring(dest)
+        if dest is not None:
+            ring(dest)
         if not h.test():
             self.pending.append(h)
             self.t_last_add = time.perf_counter()

@@ -353,20 +353,14 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
             _say(rank, f"{vname} " + df.format())
     ctx = session.Context(comm=comm, cfg=cfg, rt=rt, plan=plan, sb=sb, run_dir=run_path, device=device,
                           threads=choice)
-    from hpcsplit.runtime import mailbox as mb
+    from hpcsplit.runtime.doorbell import start_doorbell
 
-    db = None
-    if rt["doorbell"]:  # [Note: doorbell]
-        from hpcsplit.runtime.doorbell import Doorbell
-
-        db = Doorbell(comm)
-        mb.install_doorbell(db)
+    db = start_doorbell(comm) if rt["doorbell"] else None  # [Note: doorbell]
     if entry.role == "frontend":
         out: dict[str, Any] | None = session.run_frontend(ctx, variants)
     else:
         session.run_component_rank(ctx, variants, entry)
         out = None
     if db is not None:  # collective, so only on success: a failing rank aborts the whole job instead
-        mb.install_doorbell(None)
         db.close()
     return out

@@ -25,6 +25,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# a fast whole pipeline of the toy model on the dev cluster (the sbatch pipeline tests)
+_TOY_PIPELINE = ["+experiment=toy", "cluster=dev", "profile.max_batch=2", "profile.iters=3", "bench.qps=[20]",
+                 "bench.duration_s=1", "bench.warmup_s=0.2"]
 
 pytestmark = [
     pytest.mark.slurm,
@@ -232,8 +235,7 @@ def test_bench_sbatch_script(toy_run: tuple[Path, subprocess.CompletedProcess[st
 @pytest.mark.timeout(1500)
 def test_pipeline_sbatch_chains_jobs_with_dependencies(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    over = ["+experiment=toy", "cluster=dev", "profile.max_batch=2", "profile.iters=3", "bench.qps=[20]",
-            "bench.duration_s=1", "bench.warmup_s=0.2"]
+    over = _TOY_PIPELINE
     res = subprocess.run(["bash", "slurm/pipeline.sbatch", str(run), *over], cwd=REPO, env=_env(),
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
@@ -253,8 +255,7 @@ def test_pipeline_sbatch_chains_jobs_with_dependencies(tmp_path: Path) -> None:
 @pytest.mark.timeout(1500)
 def test_pipeline_sbatch_in_one_allocation(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    over = ["+experiment=toy", "cluster=dev", "profile.max_batch=2", "profile.iters=3", "bench.qps=[20]",
-            "bench.duration_s=1", "bench.warmup_s=0.2"]
+    over = _TOY_PIPELINE
     res = _sbatch_wait(f"--output={tmp_path}/job.out", "slurm/pipeline.sbatch", str(run), *over, timeout=1400)
     log = (tmp_path / "job.out").read_text()
     assert res.returncode == 0, log[-3000:]

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from hpcsplit._allocate_plan import validate_plan
 from hpcsplit._allocate_options import Option
+from hpcsplit._allocate_plan import validate_plan
 from hpcsplit._timeshare import FRONTEND_S_PER_REQUEST, add_timeshared_replicas, pipeline_rate
 from hpcsplit.allocate import Replica, allocate
 from hpcsplit.bench.allocate import make_profile

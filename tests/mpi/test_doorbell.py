@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.mpi
+from tests.mpi.jobs import run_job
 
-MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-if MPIEXEC is None:  # pragma: no cover
-    pytest.skip("no mpiexec on PATH", allow_module_level=True)
+pytestmark = pytest.mark.mpi
 
 SCRIPT = r'''
 import json, time
@@ -80,13 +74,7 @@ if rank == 0:
 
 
 def test_sleeping_rank_is_woken_and_busy_rank_not_rung(tmp_path: Path) -> None:
-    script = tmp_path / "doorbell_job.py"
-    script.write_text(SCRIPT)
-    p = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], check=False, capture_output=True,
-                       text=True, timeout=180)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
-    r0, r1, _r2 = json.loads(line[len("RESULT "):])
+    r0, r1, _r2 = run_job(tmp_path, SCRIPT, 3, timeout_s=180)
     assert r0["ring_sleeper"] is True and r0["ring_busy"] is False
     assert r1["rung"] is True and r1["wakeups"] == 1 and r1["got"] == [7]
     assert r1["timeout"] is False

@@ -99,10 +99,15 @@ class Doorbell:
         return True
 
     def probe_header(self) -> bool:
-        """Whether a message header is waiting (the probe :meth:`sleep` makes after raising the flag)."""
+        """Whether a message header is waiting (the probe :meth:`sleep` makes after raising the flag).
+
+        Probes twice: MPICH's first probe may only move the waiting message into its queues
+        (``[Note: probing past misses]`` in :mod:`~hpcsplit.runtime.mailbox`).
+        """
         from hpcsplit.runtime.transport import TAG_HEADER
 
-        return bool(self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=TAG_HEADER))
+        src = self._mpi.ANY_SOURCE
+        return bool(self.comm.Iprobe(source=src, tag=TAG_HEADER) or self.comm.Iprobe(source=src, tag=TAG_HEADER))
 
     def close(self) -> None:
         """Collective: uninstall it from the rank loops, free the shared flags and the node communicator,

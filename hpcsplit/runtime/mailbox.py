@@ -76,8 +76,10 @@ class Backoff:
         if s > 0:
             db = _DOORBELL
             if db is not None and not in_flight and s >= DOORBELL_MIN_SLEEP_S:
-                if db.sleep(s):  # rung by a sender on this node: a message is coming; MPICH's first
-                    self.reset()  # probe after a sleep often misses it, so poll back to back again
+                # the probe after raising the flag catches a message sent just before it went up
+                # (its sender saw no flag and rang nobody)
+                if db.sleep(s, db.probe_header):  # a message is waiting: MPICH's first probe after
+                    self.reset()  # a sleep often misses it, so poll back to back again
                     return
             else:
                 time.sleep(s)

@@ -8,7 +8,8 @@
 2. **Idle CPU**: % of one core used by a component rank waiting for work for ``--idle-s`` seconds,
    our polling loop (``Backoff``) vs a plain blocking MPICH ``Recv``.  Target: < 2% of a core.
 3. **Wake-up**: latency of requests 100 ms apart (every rank asleep when one comes) with the doorbell
-   (``runtime.doorbell``, ``[Note: doorbell]``) and with plain sleeps.
+   (``runtime.doorbell``, ``[Note: doorbell]``) and with plain sleeps; and, in this process, how much
+   slower a few us of per-message Python runs right after a sleep (cold caches and TLBs).
 4. **OMP_WAIT_POLICY**: throughput of a 2-component MLP chain whose ranks each use 2 OpenMP threads
    while sharing the cores (oversubscribed), PASSIVE vs ACTIVE.
 
@@ -160,6 +161,34 @@ def _launch(args: argparse.Namespace, scn: str, env_extra: dict[str, str], batch
     raise RuntimeError(f"scenario {scn} failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
 
 
+def _cold_after_sleep(sleeps_s: tuple[float, ...] = (0.0, 1e-3, 1e-2, 5e-2), n: int = 30) -> dict[float, float]:
+    """Median us of a few us of Python/numpy/torch work (what a rank runs per message) after sleeping.
+
+    Sleeping ranks wake with cold caches and TLBs (on a VM the host runs others on the core meanwhile),
+    so every hop to a sleeping rank pays this on top of the wake-up itself; a spinning rank would not.
+    """
+    import numpy as np
+    import torch
+
+    x = torch.ones(4)
+    out = {}
+    for s in sleeps_s:
+        ts = []
+        for i in range(n + 3):
+            if s:
+                time.sleep(s)
+            t0 = time.perf_counter()
+            a = x.numpy()
+            parts = [1, 2, 3, 4, 5, 6, 7, i]
+            parts += a.shape
+            np.array(parts, dtype=np.int64)
+            torch.from_numpy(np.empty(16, dtype=np.float32)).add_(1.0)
+            ts.append(time.perf_counter() - t0)
+        ts = sorted(ts[3:])
+        out[s] = ts[len(ts) // 2] * 1e6
+    return out
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcsplit.bench cpu", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=20000)
@@ -208,6 +237,11 @@ def main(argv: list[str]) -> int:
             res[name] = r = _launch(args, "wake", {"OMP_NUM_THREADS": "1", "HPCSPLIT_DOORBELL": val}, requests=30)
             print(f"{name:<12} p50 {r['p50_ms']:7.3f} ms  p90 {r['p90_ms']:7.3f} ms  ({r['ok']} requests)")
         print(f"sleep only / doorbell p50: {res['sleep only']['p50_ms'] / res['doorbell']['p50_ms']:.1f}x")
+        cold = _cold_after_sleep()
+        print("cold wake on this machine (no MPI): a rank's few us of Python/torch per message take "
+              + ", ".join(f"{us:.0f} us" + (f" after {s * 1e3:g} ms asleep" if s else " back to back")
+                          for s, us in cold.items())
+              + " (paid per hop to a sleeping rank, on top of the wake-up)")
     if "omp" in only:
         print(f"\n## OMP_WAIT_POLICY with ranks sharing cores: 2 MLP components x 2 threads on {os.cpu_count()} "
               f"cores, {args.omp_requests} requests, batch 8")

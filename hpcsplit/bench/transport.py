@@ -14,7 +14,8 @@ Two ranks, float32 tensors of 4 KiB to 64 MiB, measured the two ways the OSU mic
 preallocated buffer (``rawW``: one buffer per message of a window, as a consumer that keeps them needs).  ``ours`` learns dtype and shape from the header, receives into
 a tensor from the buffer pool and hands out a :class:`~hpcsplit.runtime.transport.Message`; it polls
 until done, as MPICH's blocking calls do.  ``idle`` is ours with the transport's own non-spinning wait.
-Target: ours >= 90% of raw bandwidth from 1 MiB up.  Started without MPI (world size 1) it re-launches
+Target: ours >= 90% of raw bandwidth from 1 MiB up (the verdict line also gives ours / rawW: the runtime's
+inbox takes a whole window per poll, so each message lands in a buffer of its own).  Started without MPI (world size 1) it re-launches
 itself under ``mpiexec -n 2``.
 """
 
@@ -212,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{'med ours':>8} {'med o/r':>8}")
     print(head)
     print("-" * len(head))
-    worst = worst_med = None
+    worst = worst_med = worst_w = None
     for nbytes, nwin, r in bw:
         w = _window(nbytes)
         g = {m: (w * nbytes / r[m][0] / 1e9, w * nbytes / r[m][1] / 1e9) for m in r}
@@ -220,6 +221,8 @@ def _run(args: argparse.Namespace) -> int:
         if nbytes >= 1 << 20:
             worst = ratio if worst is None else min(worst, ratio)
             worst_med = ratio_med if worst_med is None else min(worst_med, ratio_med)
+            rw = g["ours"][0] / g["rawW"][0]
+            worst_w = rw if worst_w is None else min(worst_w, rw)
         print(f"{_label(nbytes):>6} {w:>3} {nwin:>7} | {g['raw'][0]:>9.2f} {g['rawW'][0]:>9.2f} "
               f"{g['ours'][0]:>9.2f} {g['pickle'][0]:>11.2f} | {ratio:>8.1%} {g['ours'][0] / g['rawW'][0]:>9.1%} "
               f"{g['ours'][0] / g['pickle'][0]:>10.1f}x | "
@@ -227,7 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     if worst is not None:
         verdict = "met" if worst >= 0.9 else "MISSED"
         print(f"\nours/raw bandwidth at >= 1 MiB: worst {worst:.1%} best-of, {worst_med:.1%} median "
-              f"(target >= 90%: {verdict})")
+              f"(target >= 90%: {verdict}); ours/rawW (a buffer per message, as the runtime's batches "
+              f"need) worst {worst_w:.1%}")
         one_mib = [x for x in lat if x[0] >= 1 << 20]
         if one_mib:
             nbytes, _it, r = one_mib[0]

@@ -84,6 +84,7 @@ class Doorbell:
         flags[me] = 1
         try:
             if probe is not None and probe():
+                self._drain()  # a sender may have rung as well: no stale byte to end a later sleep
                 return True
             ready, _, _ = select.select([self.sock], [], [], timeout_s)
         finally:
@@ -91,12 +92,15 @@ class Doorbell:
         if not ready:
             return False
         self.wakeups += 1
+        self._drain()
+        return True
+
+    def _drain(self) -> None:
         try:
             while True:
                 self.sock.recv(64)
         except BlockingIOError:
             pass
-        return True
 
     def probe_header(self) -> bool:
         """Whether a message header is waiting (the probe :meth:`sleep` makes after raising the flag).

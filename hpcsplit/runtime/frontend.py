@@ -191,7 +191,7 @@ class Frontend:
                         break
                 for idx in expired:
                     rec = inflight.pop(idx)
-                    self.router.release(rec[0])
+                    self.router.release(rec[0], failed=True)
                     status[idx] = STATUS_TIMEOUT
                     resolved += 1
                 if expired:

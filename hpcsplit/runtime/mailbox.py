@@ -78,8 +78,8 @@ class Backoff:
             if db is not None and not in_flight and s >= DOORBELL_MIN_SLEEP_S:
                 # the probe after raising the flag catches a message sent just before it went up
                 # (its sender saw no flag and rang nobody)
-                if db.sleep(s, db.probe_header):  # a message is waiting: MPICH's first probe after
-                    self.reset()  # a sleep often misses it, so poll back to back again
+                if db.sleep(s, db.probe_header):  # a message is waiting: poll back to back again
+                    self.reset()  # (the next poll takes it; a rung rank must not wait one more sleep)
                     return
             else:
                 time.sleep(s)
@@ -103,21 +103,26 @@ class Inbox:
 
         [Note: probing past misses]
         MPICH (ch4, shared memory) moves one waiting message into its queues per probe and matches
-        before it moves, so a header behind ``k`` other messages (the payloads of the header before it)
-        shows up at the ``k + 1``-th probe after that one.  Stopping at the first miss took one message
-        per two calls, and a component that polls once between batches ran batch after batch of one
-        request however many were waiting.  So: probe until ``2 + payloads of the last header`` probes
-        in a row find nothing (two when idle).
+        before it moves, so a header that sits behind ``k`` payload messages (of headers matched
+        earlier, from any sender) shows up at the ``k + 1``-th probe.  Stopping at the first miss took
+        one message per two calls, and a component that polls once between batches ran batch after
+        batch of one request however many were waiting.  So a poll keeps probing until ``2 + owed``
+        probes in a row find nothing, ``owed`` being the payloads of every matched header whose message
+        has not completed yet (they may still be ahead in the queue): two probes when idle.  At most
+        ``max_new`` headers are matched per call.
         """
-        misses, allowed = 0, 2
-        for _ in range(self.max_new):
+        owed = sum(len(h.header.tensors) for h in self.pending)
+        misses = hits = 0
+        while hits < self.max_new:
             h = poll_message(self.comm, self.device)
             if h is None:
                 misses += 1
-                if misses >= allowed:
+                if misses >= 2 + owed:
                     break
                 continue
-            misses, allowed = 0, 2 + len(h.header.tensors)
+            misses = 0
+            hits += 1
+            owed += len(h.header.tensors)
             self.pending.append(h)
         if not self.pending:
             return []

@@ -83,6 +83,7 @@ class ComponentFlow:
     sinks: tuple[tuple[tuple[str, int], ...], ...]  # per output: ((component | "output", slot), ...)
     replicas: tuple[int, ...]  # ranks, by replica index
     batch_sizes: tuple[int, ...]  # per replica (1 where an input has several batch dims)
+    sizes: tuple[float, ...] = ()  # per replica: its GPU slice (GB) or CPU threads; routing prefers big ones
     in_bdims: tuple[tuple[int, ...], ...] = ()  # batch dims per input slot
     out_bdims: tuple[tuple[int, ...], ...] = ()  # batch dims per output
 
@@ -275,6 +276,7 @@ def build_dataflow(plan: Plan, graph: GraphSpec) -> Dataflow:
             sinks=tuple(tuple(sinks.get((name, j), ())) for j in range(len(outs))),
             replicas=tuple(r.rank for r in reps),
             batch_sizes=tuple(1 if single else r.batch_size for r in reps),
+            sizes=tuple(float(r.slice_gb or r.threads or 0) for r in reps),
             in_bdims=tuple(graph.bdims(n) for n in ins),
             out_bdims=tuple(graph.bdims(n) for n in outs),
         ))
@@ -355,11 +357,13 @@ class Router:
     """Join-shortest-queue routing: each request goes to the replica with fewest outstanding requests.
 
     Pure bookkeeping (no MPI): :meth:`assign` picks one rank per component and counts it outstanding;
-    :meth:`release` un-counts a finished (or failed) request.  Ties go to the replica used *most*
-    recently: at low load one replica serves request after request with its weights still in the
-    caches, where turns through idle replicas ran each request on weights evicted by the others
-    (CLIP on CPU: vision tower 146 vs 167 ms per request in the run, 1.06x vs 1.21x the profile's
-    floor).  Under load outstanding counts differ and every replica gets work.
+    :meth:`release` un-counts a finished (or failed) request.  Ties go to the bigger replica (GPU
+    slice or CPU threads, when replicas differ), then to the one used *most* recently: at low load one
+    replica serves request after request with its weights still in the caches, where turns through idle
+    replicas ran each request on weights the others had evicted (CLIP on the 2-core VM, same plan, two
+    runs back to back: split p50 at 2 req/s 148 ms vs 169 ms with turns).  Under load outstanding counts
+    differ and every replica gets work.  A replica on the route of a timed-out request loses its recency,
+    so a hung replica is not preferred by the next tie.
 
     Examples
     --------
@@ -376,6 +380,9 @@ class Router:
         self._replicas = [tuple(c.replicas) for c in dataflow.components]
         self.outstanding: dict[int, int] = {r: 0 for reps in self._replicas for r in reps}
         self._last: dict[int, int] = dict.fromkeys(self.outstanding, -1)
+        self._size: dict[int, float] = dict.fromkeys(self.outstanding, 0.0)
+        for c in dataflow.components:
+            self._size.update(zip(c.replicas, getattr(c, "sizes", ()) or (), strict=False))
         self._tick = 0
 
     def assign(self) -> tuple[int, ...]:
@@ -384,16 +391,19 @@ class Router:
             if len(reps) == 1:
                 best = reps[0]
             else:
-                best = min(reps, key=lambda r: (self.outstanding[r], -self._last[r]))
+                best = min(reps, key=lambda r: (self.outstanding[r], -self._size[r], -self._last[r]))
             self.outstanding[best] += 1
             self._tick += 1
             self._last[best] = self._tick
             route.append(best)
         return tuple(route)
 
-    def release(self, route: Sequence[int]) -> None:
+    def release(self, route: Sequence[int], failed: bool = False) -> None:
+        """Un-count a request; ``failed`` (it timed out) also drops its replicas' recency."""
         for r in route:
             self.outstanding[r] -= 1
+            if failed:
+                self._last[r] = -1
 
 
 def critical_path_ms(graph: GraphSpec, latency_ms: dict[str, float]) -> float:

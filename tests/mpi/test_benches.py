@@ -8,7 +8,11 @@ import sys
 
 import pytest
 
+from tests.mpi.jobs import MPIEXEC
+
 pytestmark = pytest.mark.mpi
+if MPIEXEC is None:  # pragma: no cover
+    pytest.skip("no mpiexec on PATH", allow_module_level=True)
 
 
 def _bench(*args: str, timeout_s: float = 240.0) -> str:

@@ -30,6 +30,7 @@ if rank == 1:
 elif rank == 0:
     while not db.flags[1]:
         time.sleep(1e-3)
+    time.sleep(0.02)  # past the probe the sleeper makes after raising its flag: this one must ring
     h = tp.isend_message(comm, 1, tp.KIND_DATA, (7,), (), [(0, torch.ones(3))])
     out["ring_sleeper"] = db.ring(1)
     h.wait()
@@ -60,6 +61,7 @@ if rank == 1:
 elif rank == 0:
     while not db.flags[1]:
         time.sleep(1e-3)
+    time.sleep(0.02)  # past the probe the sleeper makes after raising its flag: this one must ring
     ob = mb.Outbox()
     ob.add(tp.isend_message(comm, 1, tp.KIND_DATA, (9,), (), [(0, torch.ones(3))]), 1)
     ob.drain(10.0)

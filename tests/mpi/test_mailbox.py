@@ -1,4 +1,4 @@
-"""The mailbox under real ``mpiexec``: one poll takes every message already waiting.
+"""The mailbox under real ``mpiexec``: one poll matches every message already waiting.
 
 A component polls its inbox once between batches, so whatever one ``Inbox.poll`` returns is the next
 batch.  MPICH moves one waiting message into its match queues per probe (``[Note: probing past
@@ -30,7 +30,8 @@ out = {}
 for case, nbytes in (("large", 3 * 224 * 224 * 4), ("small", 4096)):
     comm.Barrier()
     if rank == 0:
-        # N messages of two tensors each, then no MPI call at all while rank 1 looks (a busy sender)
+        # N messages of two tensors each, then no MPI call at all while rank 1 looks (a busy sender);
+        # the 600 KB payloads go by CMA, which the receiver completes alone
         hs = [tp.isend_message(comm, 1, tp.KIND_DATA, (k,), (), [(0, torch.full((nbytes // 4,), float(k))),
                                                                  (1, torch.arange(3) + k)]) for k in range(N)]
         time.sleep(0.5)
@@ -42,14 +43,13 @@ for case, nbytes in (("large", 3 * 224 * 224 * 4), ("small", 4096)):
         first = inbox.poll()
         got = [(m.header.request_ids[0], float(m.tensors[0][0]), m.tensors[1].tolist()) for m, _ in first]
         out[case] = {"first_call": len(first), "headers_first_call": len(first) + len(inbox.pending)}
-        calls = 1
-        while len(got) < N and calls < 10000:
+        deadline = time.perf_counter() + 30.0  # the sender may have to call into MPI for the rest
+        while len(got) < N and time.perf_counter() < deadline:
+            time.sleep(1e-3)
             got += [(m.header.request_ids[0], float(m.tensors[0][0]), m.tensors[1].tolist())
                     for m, _ in inbox.poll()]
-            calls += 1
         out[case]["got"] = got
-        idle = mb.Inbox(comm)
-        out[case]["idle_poll"] = len(idle.poll())
+        out[case]["after"] = len(inbox.poll()) + len(inbox.pending)  # nothing left, nothing doubled
 comm.Barrier()
 res = comm.gather(out, root=0)
 if rank == 0:
@@ -61,7 +61,7 @@ def test_one_poll_takes_every_waiting_message(tmp_path: Path) -> None:
     _r0, r1 = run_job(tmp_path, SCRIPT, 2, timeout_s=120)
     for case in ("large", "small"):
         r = r1[case]
-        assert r["headers_first_call"] == 8, (case, r)  # every waiting message matched in one call
+        assert r["headers_first_call"] == 8, (case, r)  # every waiting header matched in one call
         assert r["first_call"] >= 1, (case, r)
         assert r["got"] == [[k, float(k), [k, k + 1, k + 2]] for k in range(8)], case  # in order, intact
-        assert r["idle_poll"] == 0
+        assert r["after"] == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hpcsplit.errors import PlanError
@@ -113,6 +115,20 @@ def test_router_picks_fewest_outstanding_and_keeps_the_warm_replica() -> None:
         seq.append(route[0])
         r.release(route)
     assert seq == [2, 2, 2]
+    r.release(r.assign(), failed=True)  # a timed-out request: its replica is no longer the warm one
+    assert r.assign()[0] == 1
+
+
+def test_router_prefers_the_bigger_replica_on_ties() -> None:
+    plan = _toy_plan(["a", "b", "j"], replicas=2)
+    ranks = list(plan.ranks)
+    ranks[2] = dataclasses.replace(ranks[2], threads=4)  # a's second replica has 4 threads
+    df = build_dataflow(dataclasses.replace(plan, ranks=tuple(ranks)), DIAMOND)
+    assert df.component("a").sizes == (1.0, 4.0)
+    r = Router(df)
+    first = r.assign()
+    assert first[0] == 2  # idle tie: the 4-thread replica
+    assert r.assign()[0] == 1  # it is busy: fewest outstanding still wins
 
 
 def test_critical_path_takes_the_slowest_branch_plus_join() -> None:

@@ -357,22 +357,20 @@ class Router:
     """Join-shortest-queue routing: each request goes to the replica with fewest outstanding requests.
 
     Pure bookkeeping (no MPI): :meth:`assign` picks one rank per component and counts it outstanding;
-    :meth:`release` un-counts a finished (or failed) request.  Ties go to the bigger replica (GPU
-    slice or CPU threads, when replicas differ), then to the one used *most* recently: at low load one
-    replica serves request after request with its weights still in the caches, where turns through idle
-    replicas ran each request on weights the others had evicted (CLIP on the 2-core VM, same plan, two
-    runs back to back: split p50 at 2 req/s 148 ms vs 169 ms with turns).  Under load outstanding counts
-    differ and every replica gets work.  A replica on the route of a timed-out request loses its recency,
-    so a hung replica is not preferred by the next tie.
+    :meth:`release` un-counts a finished (or failed) request.  Ties go to a replica that has not timed
+    out since its last success, then to the bigger replica (GPU slice or CPU threads, when replicas
+    differ), then to the one used least recently, so idle replicas share the load in turn.  (Keeping
+    one replica warm instead was tried: CLIP on the 2-core VM at 2 req/s, five alternating runs each,
+    split p50 143 ms taking turns vs 152 ms always the last one used, within the noise but not better.)
 
     Examples
     --------
     >>> from types import SimpleNamespace as NS
     >>> df = NS(components=(NS(replicas=(1, 2)), NS(replicas=(3,))))
     >>> r = Router(df)
-    >>> r.assign(), r.assign()  # 1 is busy: 2 takes the next
-    ((1, 3), (2, 3))
-    >>> r.release((1, 3)); r.release((2, 3)); r.assign()  # both idle: 2, used last, is warm
+    >>> r.assign(), r.assign(), r.assign()
+    ((1, 3), (2, 3), (1, 3))
+    >>> r.release((1, 3)); r.assign()  # 1 and 2 tie at one each: 2 was used less recently
     (2, 3)
     """
 
@@ -381,6 +379,7 @@ class Router:
         self.outstanding: dict[int, int] = {r: 0 for reps in self._replicas for r in reps}
         self._last: dict[int, int] = dict.fromkeys(self.outstanding, -1)
         self._size: dict[int, float] = dict.fromkeys(self.outstanding, 0.0)
+        self._suspect: set[int] = set()  # on the route of a timed-out request, no success since
         for c in dataflow.components:
             self._size.update(zip(c.replicas, getattr(c, "sizes", ()) or (), strict=False))
         self._tick = 0
@@ -391,7 +390,8 @@ class Router:
             if len(reps) == 1:
                 best = reps[0]
             else:
-                best = min(reps, key=lambda r: (self.outstanding[r], -self._size[r], -self._last[r]))
+                best = min(reps, key=lambda r: (self.outstanding[r], r in self._suspect, -self._size[r],
+                                                self._last[r]))
             self.outstanding[best] += 1
             self._tick += 1
             self._last[best] = self._tick
@@ -399,11 +399,13 @@ class Router:
         return tuple(route)
 
     def release(self, route: Sequence[int], failed: bool = False) -> None:
-        """Un-count a request; ``failed`` (it timed out) also drops its replicas' recency."""
+        """Un-count a request; ``failed`` (it timed out) makes its replicas lose ties until one succeeds."""
         for r in route:
             self.outstanding[r] -= 1
-            if failed:
-                self._last[r] = -1
+        if failed:
+            self._suspect.update(route)
+        elif self._suspect:
+            self._suspect.difference_update(route)
 
 
 def critical_path_ms(graph: GraphSpec, latency_ms: dict[str, float]) -> float:

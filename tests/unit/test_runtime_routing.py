@@ -94,29 +94,43 @@ def test_whole_plan_keeps_ranks_and_resources() -> None:
     assert df.output_bdims == ((0, 1), (1,))
 
 
-def test_router_picks_fewest_outstanding_and_keeps_the_warm_replica() -> None:
+def test_router_picks_fewest_outstanding_and_rotates_ties() -> None:
     df = build_dataflow(_toy_plan(["a", "b", "j"], replicas=2), DIAMOND)
     r = Router(df)
     routes = [r.assign() for _ in range(4)]
-    assert [x[0] for x in routes] == [1, 2, 2, 1]  # fewest outstanding; ties to the replica used last
+    assert [x[0] for x in routes] == [1, 2, 1, 2]
     assert r.outstanding == {1: 2, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2}
     r.release(routes[1])
-    r.release(routes[2])
+    r.release(routes[3])
     nxt = r.assign()
     assert nxt[0] == 2  # replica 2 now has fewer outstanding
     assert sum(r.outstanding.values()) == 9
-    for route in (*routes[:1], *routes[3:], nxt):
+    for route in (routes[0], routes[2], nxt):
         r.release(route)
     assert set(r.outstanding.values()) == {0}
-    # at low load (every replica idle) requests keep going to the one used last: its weights are cached
+
+
+def test_router_replica_of_a_timed_out_request_loses_ties_until_it_succeeds() -> None:
+    r = Router(build_dataflow(_toy_plan(["a", "b", "j"], replicas=2), DIAMOND))
+    bad = r.assign()
+    assert bad[0] == 1
+    r.release(bad, failed=True)
     seq = []
     for _ in range(3):
         route = r.assign()
         seq.append(route[0])
         r.release(route)
-    assert seq == [2, 2, 2]
-    r.release(r.assign(), failed=True)  # a timed-out request: its replica is no longer the warm one
-    assert r.assign()[0] == 1
+    assert seq == [2, 2, 2]  # replica 1 loses every idle tie
+    busy, ok = r.assign(), r.assign()
+    assert (busy[0], ok[0]) == (2, 1)  # fewest outstanding still wins
+    r.release(busy)
+    r.release(ok)  # replica 1 completed a request: it takes turns again
+    seq = []
+    for _ in range(2):
+        route = r.assign()
+        seq.append(route[0])
+        r.release(route)
+    assert seq == [2, 1]
 
 
 def test_router_prefers_the_bigger_replica_on_ties() -> None:

@@ -162,7 +162,7 @@ def _launch(args: argparse.Namespace, scn: str, env_extra: dict[str, str], batch
 
 
 def _cold_after_sleep(sleeps_s: tuple[float, ...] = (0.0, 1e-3, 1e-2, 5e-2), n: int = 30) -> dict[float, float]:
-    """Median us of a few us of Python/numpy/torch work (what a rank runs per message) after sleeping.
+    """Median us of a rank's per-message Python (encode and decode a header, make a tensor) after sleeping.
 
     Sleeping ranks wake with cold caches and TLBs (on a VM the host runs others on the core meanwhile),
     so every hop to a sleeping rank pays this on top of the wake-up itself; a spinning rank would not.
@@ -170,7 +170,9 @@ def _cold_after_sleep(sleeps_s: tuple[float, ...] = (0.0, 1e-3, 1e-2, 5e-2), n: 
     import numpy as np
     import torch
 
-    x = torch.ones(4)
+    from hpcsplit.runtime import transport as tp
+
+    meta = (tp.TensorMeta(0, torch.float32, (1, 16)),)
     out = {}
     for s in sleeps_s:
         ts = []
@@ -178,11 +180,8 @@ def _cold_after_sleep(sleeps_s: tuple[float, ...] = (0.0, 1e-3, 1e-2, 5e-2), n: 
             if s:
                 time.sleep(s)
             t0 = time.perf_counter()
-            a = x.numpy()
-            parts = [1, 2, 3, 4, 5, 6, 7, i]
-            parts += a.shape
-            np.array(parts, dtype=np.int64)
-            torch.from_numpy(np.empty(16, dtype=np.float32)).add_(1.0)
+            h = tp.decode_header(tp.encode_header(tp.Header(tp.KIND_DATA, (i,), ((1, 2),), meta)))
+            torch.from_numpy(np.empty(h.tensors[0].shape, dtype=np.float32)).add_(1.0)
             ts.append(time.perf_counter() - t0)
         ts = sorted(ts[3:])
         out[s] = ts[len(ts) // 2] * 1e6

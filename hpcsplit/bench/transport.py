@@ -218,13 +218,13 @@ def _run(args: argparse.Namespace) -> int:
         w = _window(nbytes)
         g = {m: (w * nbytes / r[m][0] / 1e9, w * nbytes / r[m][1] / 1e9) for m in r}
         ratio, ratio_med = g["ours"][0] / g["raw"][0], g["ours"][1] / g["raw"][1]
+        ratio_w = g["ours"][0] / g["rawW"][0]
         if nbytes >= 1 << 20:
             worst = ratio if worst is None else min(worst, ratio)
             worst_med = ratio_med if worst_med is None else min(worst_med, ratio_med)
-            rw = g["ours"][0] / g["rawW"][0]
-            worst_w = rw if worst_w is None else min(worst_w, rw)
+            worst_w = ratio_w if worst_w is None else min(worst_w, ratio_w)
         print(f"{_label(nbytes):>6} {w:>3} {nwin:>7} | {g['raw'][0]:>9.2f} {g['rawW'][0]:>9.2f} "
-              f"{g['ours'][0]:>9.2f} {g['pickle'][0]:>11.2f} | {ratio:>8.1%} {g['ours'][0] / g['rawW'][0]:>9.1%} "
+              f"{g['ours'][0]:>9.2f} {g['pickle'][0]:>11.2f} | {ratio:>8.1%} {ratio_w:>9.1%} "
               f"{g['ours'][0] / g['pickle'][0]:>10.1f}x | "
               f"{g['raw'][1]:>8.2f} {g['ours'][1]:>8.2f} {ratio_med:>8.1%}")
     if worst is not None:

@@ -366,7 +366,7 @@ class Router:
     Examples
     --------
     >>> from types import SimpleNamespace as NS
-    >>> df = NS(components=(NS(replicas=(1, 2)), NS(replicas=(3,))))
+    >>> df = NS(components=(NS(replicas=(1, 2), sizes=()), NS(replicas=(3,), sizes=())))
     >>> r = Router(df)
     >>> r.assign(), r.assign(), r.assign()
     ((1, 3), (2, 3), (1, 3))
@@ -378,10 +378,10 @@ class Router:
         self._replicas = [tuple(c.replicas) for c in dataflow.components]
         self.outstanding: dict[int, int] = {r: 0 for reps in self._replicas for r in reps}
         self._last: dict[int, int] = dict.fromkeys(self.outstanding, -1)
-        self._size: dict[int, float] = dict.fromkeys(self.outstanding, 0.0)
+        self._size: dict[int, float] = {r: s for c in dataflow.components
+                                         for r, s in zip(c.replicas, c.sizes or [0.0] * len(c.replicas),
+                                                         strict=True)}
         self._suspect: set[int] = set()  # on the route of a timed-out request, no success since
-        for c in dataflow.components:
-            self._size.update(zip(c.replicas, getattr(c, "sizes", ()) or (), strict=False))
         self._tick = 0
 
     def assign(self) -> tuple[int, ...]:

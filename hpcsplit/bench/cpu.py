@@ -232,10 +232,13 @@ def main(argv: list[str]) -> int:
         print("\n## wake-up: one request every 100 ms through 2 trivial components (3 hops to ranks asleep), "
               "latency with the doorbell (runtime.doorbell=true) and without")
         res = {}
-        for name, val in (("doorbell", "1"), ("sleep only", "0")):
-            res[name] = r = _launch(args, "wake", {"OMP_NUM_THREADS": "1", "HPCSPLIT_DOORBELL": val}, requests=30)
-            print(f"{name:<12} p50 {r['p50_ms']:7.3f} ms  p90 {r['p90_ms']:7.3f} ms  ({r['ok']} requests)")
-        print(f"sleep only / doorbell p50: {res['sleep only']['p50_ms'] / res['doorbell']['p50_ms']:.1f}x")
+        for name, val, remote in (("doorbell", "1", "0"), ("UDP doorbell", "1", "1"), ("sleep only", "0", "0")):
+            env = {"OMP_NUM_THREADS": "1", "HPCSPLIT_DOORBELL": val, "HPCSPLIT_DOORBELL_ALL_REMOTE": remote}
+            res[name] = r = _launch(args, "wake", env, requests=30)
+            print(f"{name:<12} p50 {r['p50_ms']:7.3f} ms  p90 {r['p90_ms']:7.3f} ms  ({r['ok']} requests)"
+                  + ("  [every rank rung over UDP, as if on its own node]" if remote == "1" else ""))
+        print(f"sleep only / doorbell p50: {res['sleep only']['p50_ms'] / res['doorbell']['p50_ms']:.1f}x, "
+              f"sleep only / UDP doorbell p50: {res['sleep only']['p50_ms'] / res['UDP doorbell']['p50_ms']:.1f}x")
         cold = _cold_after_sleep()
         print("cold wake on this machine (no MPI): a rank's few us of Python/torch per message take "
               + ", ".join(f"{us:.0f} us" + (f" after {s * 1e3:g} ms asleep" if s else " back to back")

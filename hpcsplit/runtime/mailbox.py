@@ -17,7 +17,7 @@ __all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell"
 
 IN_FLIGHT_SLEEP_S = 50e-6
 DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, no select)
-DOORBELL_DEEP_SLEEP_S = 10e-3  # deep sleep when every rank of the job is on this node (all can ring)
+DOORBELL_DEEP_SLEEP_S = 10e-3  # deep sleep when every rank of the job can ring this one
 
 _DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
 
@@ -29,7 +29,7 @@ def install_doorbell(db: Any) -> None:
 
 
 def ring(dest: int) -> None:
-    """After a send to ``dest``: wake it if it sleeps on this node (no-op without a doorbell)."""
+    """After a send to ``dest``: wake it if it sleeps (no-op without a doorbell)."""
     if _DOORBELL is not None:
         _DOORBELL.ring(dest)
 
@@ -41,8 +41,8 @@ class Backoff:
     Call :meth:`reset` whenever the loop did work and :meth:`idle` when it found none.  A rank idle for
     long wakes ``1 / deep_sleep_s`` times a second for an ``Iprobe`` instead of spinning a whole core in
     MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives,
-    unless a doorbell is installed (:func:`install_doorbell`): then a sender on the node wakes it at once
-    and, when the whole job is on this node, the deep sleep grows to ``DOORBELL_DEEP_SLEEP_S``.
+    unless a doorbell is installed (:func:`install_doorbell`): then a sender wakes it at once and, when
+    every rank of the job can ring it, the deep sleep grows to ``DOORBELL_DEEP_SLEEP_S``.
     """
 
     __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
@@ -85,7 +85,7 @@ class Backoff:
                 time.sleep(s)
         deep = idle_for > self.deep_after_s
         ceiling = self.deep_sleep_s if deep else self.max_sleep_s
-        if deep and _DOORBELL is not None and _DOORBELL.all_local:
+        if deep and _DOORBELL is not None and _DOORBELL.all_can_ring:
             # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
             ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
         self._sleep = min(self._sleep * 2, ceiling)

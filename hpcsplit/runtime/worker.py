@@ -54,7 +54,8 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "verify_rtol": 1e-3,
     "abort_grace_s": 3.0,
     "idle_sleep_ms": 2.0,
-    "doorbell": True,  # [Note: doorbell] in runtime/doorbell.py
+    "doorbell": True,  # true | local | false; [Note: doorbell] in runtime/doorbell.py
+    "doorbell_address": None,  # IPv4 address other nodes ring this node's ranks at; None: the hostname's
     "fault": None,  # tests: {component, kind: raise|sleep, after_batches, sleep_s, times}
 }
 
@@ -74,6 +75,9 @@ def runtime_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         problems.append(f"runtime.max_inflight={rt['max_inflight']}: needs >= 1")
     if not float(rt["request_timeout_s"]) > 0:
         problems.append(f"runtime.request_timeout_s={rt['request_timeout_s']}: needs > 0")
+    if rt["doorbell"] not in (True, False, "local"):
+        problems.append(f"runtime.doorbell={rt['doorbell']!r}: use true (ring ranks on every node), local "
+                        "(ranks on the same node only) or false")
     if problems:
         raise ConfigError("invalid runtime settings:\n  - " + "\n  - ".join(problems))
     rt["mode"] = mode
@@ -355,7 +359,11 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
                           threads=choice)
     from hpcsplit.runtime.doorbell import start_doorbell
 
-    db = start_doorbell(comm) if rt["doorbell"] else None  # [Note: doorbell]
+    db = None
+    if rt["doorbell"]:  # [Note: doorbell]
+        db = start_doorbell(comm, rt["doorbell"] is True, rt["doorbell_address"])
+        if db.note and (rank == 0 or db.unreachable):
+            _say(rank, db.note)
     if entry.role == "frontend":
         out: dict[str, Any] | None = session.run_frontend(ctx, variants)
     else:

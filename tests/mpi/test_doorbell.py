@@ -1,4 +1,5 @@
-"""The doorbell under real ``mpiexec``: a sleeping rank is woken by a ring, a busy one is not rung."""
+"""The doorbell under real ``mpiexec``: a sleeping rank is woken by a ring, a busy one is not rung; ranks on
+other nodes (simulated on this one) are rung over UDP."""
 
 from __future__ import annotations
 
@@ -6,9 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpi.jobs import run_job
+from tests.mpi.jobs import MPIEXEC, run_job
 
 pytestmark = pytest.mark.mpi
+
+# every script ends alike: uninstall, close (collective), gather the ranks' dicts on rank 0
+TAIL = '''comm.Barrier()
+mb.install_doorbell(None)
+db.close()
+res = comm.gather(out, root=0)
+if rank == 0:
+    print("RESULT " + json.dumps(res))
+'''
 
 SCRIPT = r'''
 import json, time
@@ -66,13 +76,7 @@ elif rank == 0:
     ob.add(tp.isend_message(comm, 1, tp.KIND_DATA, (9,), (), [(0, torch.ones(3))]), 1)
     ob.drain(10.0)
     out["rings"] = db.rings
-comm.Barrier()
-mb.install_doorbell(None)
-db.close()
-res = comm.gather(out, root=0)
-if rank == 0:
-    print("RESULT " + json.dumps(res))
-'''
+''' + TAIL
 
 
 def test_sleeping_rank_is_woken_and_busy_rank_not_rung(tmp_path: Path) -> None:
@@ -82,3 +86,72 @@ def test_sleeping_rank_is_woken_and_busy_rank_not_rung(tmp_path: Path) -> None:
     assert r1["timeout"] is False
     assert r1["probe_first"] is True and r1["wakeups_after"] == 1  # woken by the probe, not a ring
     assert r1["backoff_wakeups"] == 2 and r0["rings"] == 2
+
+
+REMOTE = r'''
+import json, os, time
+import torch
+from mpi4py import MPI
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime import mailbox as mb
+from hpcsplit.runtime.doorbell import Doorbell
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+db = Doorbell(comm, remote=os.environ["REMOTE"] == "1")
+out = {"remote_peers": len(db._remote), "all_can_ring": db.all_can_ring, "note": db.note}
+comm.Barrier()
+# 1. stale rings (messages already taken while busy) must not end a later sleep early
+if rank == 0:
+    out["stale"] = db.ring(1)
+comm.Barrier()
+time.sleep(0.05)  # the datagram has landed in rank 1's socket
+if rank == 1:
+    t0 = time.perf_counter()
+    out["stale_sleep_rung"] = db.sleep(0.2, db.probe_header)
+    out["stale_sleep_s"] = time.perf_counter() - t0
+comm.Barrier()
+# 2. rank 1 sleeps through the mailbox (5 s); rank 0 sends and rings without seeing any flag
+mb.install_doorbell(db)
+if rank == 1:
+    b = mb.Backoff(spin_s=0.0, max_sleep_s=5.0, deep_sleep_s=5.0)
+    b._sleep = 5.0
+    inbox = mb.Inbox(comm)
+    t0 = time.perf_counter()
+    got = []
+    while not got:
+        got = inbox.poll()
+        if not got:
+            b.idle(time.perf_counter())
+    out["woken_after_s"] = time.perf_counter() - t0
+    out["got"] = got[0][0].header.request_ids
+    out["wakeups"] = db.wakeups
+elif rank == 0:
+    time.sleep(0.3)  # rank 1 is asleep (its flag is never read: it counts as on another node)
+    ob = mb.Outbox()
+    ob.add(tp.isend_message(comm, 1, tp.KIND_DATA, (9,), (), [(0, torch.ones(3))]), 1)
+    ob.drain(10.0)
+    out["remote_rings"] = db.remote_rings
+''' + TAIL
+
+
+@pytest.mark.parametrize("remote", [True, False], ids=["udp", "local-only"])
+def test_ranks_on_other_nodes_are_rung_over_udp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                remote: bool) -> None:
+    """``HPCSPLIT_DOORBELL_ALL_REMOTE=1``: every other rank counts as on another node.  With UDP rings a
+    rank asleep for 5 s is woken at once; with node-local rings only (``runtime.doorbell=local``) it sleeps on."""
+    if MPIEXEC is None:  # pragma: no cover
+        pytest.skip("no mpiexec on PATH")
+    monkeypatch.setenv("HPCSPLIT_DOORBELL_ALL_REMOTE", "1")
+    monkeypatch.setenv("REMOTE", "1" if remote else "0")
+    r0, r1 = run_job(tmp_path, REMOTE, 2, timeout_s=180)
+    assert r1["got"] == [9]
+    assert r0["stale"] is remote
+    assert r1["stale_sleep_rung"] is False and r1["stale_sleep_s"] >= 0.15  # drained, not woken by it
+    if remote:
+        assert r0["remote_peers"] == r1["remote_peers"] == 1 and r0["all_can_ring"] and not r0["note"]
+        assert r0["remote_rings"] == 2 and r1["wakeups"] == 1  # the stale ring, then the send's
+        assert r1["woken_after_s"] < 3.0  # rung, not the 5 s timeout
+    else:
+        assert r0["remote_peers"] == 0 and not r0["all_can_ring"] and r0["remote_rings"] == 0
+        assert r1["wakeups"] == 0 and r1["woken_after_s"] >= 4.0  # nobody could ring it: its timeout

@@ -44,6 +44,8 @@ def test_runtime_settings_defaults_and_mode() -> None:
 def test_runtime_settings_lists_every_problem() -> None:
     with pytest.raises(ConfigError) as e:
         runtime_settings({"stage": "serve", "runtime": {"mode": "stream", "max_inflight": 0,
-                                                        "request_timeout_s": 0}})
+                                                        "request_timeout_s": 0, "doorbell": "udp"}})
     msg = str(e.value)
     assert "runtime.mode='stream'" in msg and "max_inflight=0" in msg and "request_timeout_s=0" in msg
+    assert "runtime.doorbell='udp'" in msg and "local" in msg
+    assert runtime_settings({"stage": "serve", "runtime": {"doorbell": "local"}})["doorbell"] == "local"

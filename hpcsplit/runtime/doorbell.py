@@ -18,28 +18,81 @@ later.
 
 Ranks on other nodes (``runtime.doorbell: true``; ``local`` rings node-local ranks only): their flags
 cannot be read, so every send to one is followed by a one-byte UDP datagram to its doorbell port
-(a ``sendto`` of a few microseconds, beside a network message).  Each rank binds a UDP socket on all
-interfaces and publishes the address its node's hostname resolves to (or ``runtime.doorbell_address``)
-with an ``Allgather`` at start; a peer on another node that published a loopback address cannot be
-rung (reported once, its wake-up is the timeout).  A busy rank's datagrams pile up unread, so a rank
-drains its UDP socket after raising its flag and before its probe: a stale byte would end the next
-sleep for nothing, and the probe sees every message whose ring the drain dropped -- unless the
-datagram overtook the MPI message, and then that sleep ends at its timeout, as without a doorbell.
-``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` treats every other rank as remote (tests, ``bench cpu`` on one node).
+(a ``sendto`` of a few microseconds, beside a network message).  Each rank binds a UDP socket to its
+node's address (on ``runtime.doorbell_network``, an interface or IPv4 network, else what the hostname
+resolves to; a loopback address does not count) and publishes it with an ``Allgather`` at start; then
+each rank sends one test ring to the next rank on another node and waits up to a second for the one it
+is sent, and says so if it does not arrive (a firewall, an address off the job network).  A busy rank's
+datagrams pile up unread, so a rank drains its UDP socket after raising its flag and before its probe: a
+stale byte would end the next sleep for nothing, and the probe sees every message whose ring the drain
+dropped -- unless the datagram overtook the MPI message, and then that sleep ends at its timeout, as
+without a doorbell.  UDP rings only ever shorten sleeps: a rank that any sender must ring over UDP
+keeps ``runtime.idle_sleep_ms`` as its longest sleep (only ranks of a one-node job sleep up to 10 ms),
+so a lost datagram costs what no doorbell costs.  ``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
+counts) treats every other rank as remote: tests and ``bench cpu`` run this path on one node.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import fcntl
+import ipaddress
+import itertools
 import os
 import select
 import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Doorbell", "start_doorbell"]
+__all__ = ["Doorbell", "node_address", "start_doorbell"]
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def _interface_addresses() -> dict[str, str]:
+    """IPv4 address of every interface of this host that has one (Linux)."""
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            out[name] = socket.inet_ntoa(res[20:24])
+    return out
+
+
+def node_address(network: str | None = None) -> str:
+    """The IPv4 address other nodes ring this node's ranks at.
+
+    ``network``: an interface name (``hsn0``) or an IPv4 network (``10.100.0.0/16``, the first interface
+    address inside it); None: the address this host's name resolves to.  Raises ValueError saying what
+    was not found (and what there is).
+
+    Examples
+    --------
+    >>> node_address("127.0.0.0/8").startswith("127.")
+    True
+    """
+    if not network:
+        return socket.gethostbyname(socket.gethostname())
+    addrs = _interface_addresses()
+    have = ", ".join(f"{k} {v}" for k, v in addrs.items()) or "none"
+    if "/" in network:
+        net = ipaddress.IPv4Network(network, strict=False)
+        for ip in addrs.values():
+            if ipaddress.IPv4Address(ip) in net:
+                return ip
+        raise ValueError(f"no interface of {socket.gethostname()} has an address in {network} (interfaces: {have})")
+    if network not in addrs:
+        raise ValueError(f"{socket.gethostname()} has no interface {network!r} with an IPv4 address "
+                         f"(interfaces: {have})")
+    return addrs[network]
 
 
 class Doorbell:
@@ -54,19 +107,25 @@ class Doorbell:
     comm : mpi4py communicator
     remote : bool
         Ring ranks on other nodes too (UDP), not only node-local ones.
-    address : str, optional
-        IPv4 address other nodes reach this rank at; default: what the hostname resolves to.
+    network : str, optional
+        Where other nodes reach this node: an interface name (``hsn0``, ``ib0``) or an IPv4 network
+        (``10.100.0.0/16``); default: the address the hostname resolves to.  See :func:`node_address`.
+    check_s : float
+        How long a rank waits at start for the test ring another node sends it (see ``note``).
     """
 
-    def __init__(self, comm: Any, remote: bool = True, address: str | None = None) -> None:
+    def __init__(self, comm: Any, remote: bool = True, network: str | None = None, check_s: float = 1.0) -> None:
         from hpcsplit._mpi import MPI
 
         self._mpi = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
-        token = np.array([(os.getpid() << 20) ^ time.time_ns()], dtype=np.int64)
-        comm.Bcast([token, MPI.INT64_T], root=0)  # one name space per job
-        self._prefix = f"\0hpcsplit-{int(token[0]) & 0xFFFFFFFFFFFF:x}-"
+        # rank 0's name space and ALL_REMOTE switch for every rank (ranks that disagreed would not all
+        # take part in the address exchange below)
+        head = np.array([(os.getpid() << 20) ^ time.time_ns(),
+                         os.environ.get("HPCSPLIT_DOORBELL_ALL_REMOTE") == "1"], dtype=np.int64)
+        comm.Bcast([head, MPI.INT64_T], root=0)
+        self._prefix = f"\0hpcsplit-{int(head[0]) & 0xFFFFFFFFFFFF:x}-"
         self.node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         n_local = self.node.Get_size()
         # global rank of each node-local rank, and back
@@ -84,53 +143,76 @@ class Doorbell:
         self.rings = 0  # bytes sent (for tests and the CPU benchmark)
         self.remote_rings = 0  # of which UDP datagrams to other nodes
         self.wakeups = 0  # sleeps ended by a ring
-        if os.environ.get("HPCSPLIT_DOORBELL_ALL_REMOTE") == "1":  # as if every rank had a node of its own
-            self._local_index = {self.rank: self._me}
+        self._node_id = min(int(g) for g in local_globals)  # the node's lowest global rank
+        self._all_remote = bool(head[1])
+        if self._all_remote:  # as if every rank had a node of its own (tests, bench cpu)
+            self._local_index, self._node_id = {self.rank: self._me}, self.rank
+        # every sender is on this node and rings through the flags (Backoff then sleeps longer when idle;
+        # UDP rings are never counted on for that: a blocked datagram must not cost more than no doorbell)
+        self.all_local = len(self._local_index) == comm.Get_size()
         self.udp: socket.socket | None = None
-        self._remote: dict[int, tuple[str, int]] = {}  # global rank -> UDP address
-        self.unreachable: list[int] = []  # remote ranks that published a loopback address
-        self.note = ""  # why remote rings are off, if they are
-        self._setup_remote(remote, address)
+        self._remote: dict[int, tuple[str, int]] = {}  # global rank on another node -> its UDP address
+        self.address = ""  # this rank's UDP address as published, "" if none
+        self.note = ""  # what is wrong with remote rings on this rank, if anything
+        if not self.all_local:
+            self._setup_remote(remote, network, check_s)
         self._socks = [self.sock] if self.udp is None else [self.sock, self.udp]
-        self.all_can_ring = len(self._local_index) + len(self._remote) == comm.Get_size()
-        self.all_local = n_local == comm.Get_size()  # every rank on this node
         self.node.Barrier()  # every socket is bound and every flag down before anyone rings
 
-    def _setup_remote(self, remote: bool, address: str | None) -> None:
-        """Collective (when any rank is remote): bind the UDP socket and exchange addresses."""
+    def _setup_remote(self, remote: bool, network: str | None, check_s: float) -> None:
+        """Collective: bind the UDP socket, exchange addresses, send and await one test ring."""
         MPI, comm = self._mpi, self.comm
         size = comm.Get_size()
-        if len(self._local_index) == size:
-            return  # one node: nothing to exchange (every rank sees the same, so all skip)
-        mine = np.zeros(2, dtype=np.int64)  # IPv4 as an integer, port; 0, 0: not reachable
+        mine = np.zeros(3, dtype=np.int64)  # IPv4 as an integer, port (0: cannot be rung), node id
+        mine[2] = self._node_id
         if remote:
+            udp = None
             try:
-                ip = address or socket.gethostbyname(socket.gethostname())
+                ip = ipaddress.IPv4Address(node_address(network))
+                if ip.is_unspecified or (ip.is_loopback and not self._all_remote):
+                    raise ValueError(f"{socket.gethostname()} resolves to {ip}, which other nodes cannot reach")
                 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                udp.bind(("", 0))
+                udp.bind((str(ip), 0))  # an address that is not this node's fails here
                 udp.setblocking(False)
-                mine[:] = int.from_bytes(socket.inet_aton(ip), "big"), udp.getsockname()[1]
-                self.udp = udp
-            except OSError as e:
-                self.note = f"no UDP doorbell on this rank ({e}); ranks on other nodes wake at their timeout"
-        table = np.zeros((size, 2), dtype=np.int64)
+                mine[:2] = int(ip), udp.getsockname()[1]
+                self.udp, self.address = udp, f"{ip}:{mine[1]}"
+            except (OSError, ValueError, UnicodeError) as e:
+                if udp is not None:
+                    udp.close()
+                self.note = (f"rank {self.rank}: ranks on other nodes cannot ring this rank ({e}); it wakes at its "
+                             "timeout (runtime.idle_sleep_ms). Set runtime.doorbell_network to the interface or "
+                             "IPv4 network the nodes share (e.g. hsn0, ib0 or 10.100.0.0/16).")
+        table = np.zeros((size, 3), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-        if self.udp is None:
+        ringable = [r for r in range(size) if table[r, 1]]
+        for r in ringable:
+            if table[r, 2] != self._node_id:
+                self._remote[r] = (str(ipaddress.IPv4Address(int(table[r, 0]))), int(table[r, 1]))
+
+        def successor(q: int) -> int | None:  # the rank q test-rings: the next ringable one on another node
+            after = itertools.islice(ringable, bisect.bisect_right(ringable, q), None)
+            return next((r for r in itertools.chain(after, ringable) if table[r, 2] != table[q, 2]), None)
+
+        if self.udp is not None:
+            to = successor(self.rank)
+            if to is not None:
+                with contextlib.suppress(OSError):
+                    self.udp.sendto(b"\x02", self._remote[to])
+        comm.Barrier()  # once, at start
+        expect = [q for q in ringable if successor(q) == self.rank]
+        if self.udp is None or not expect:
             return
-        on_node = set(MPI.Group.Translate_ranks(self.node.Get_group(), list(range(self.node.Get_size())),
-                                                comm.Get_group()))
-        for r in range(size):
-            if r in self._local_index or not table[r, 1]:
-                continue
-            ip = socket.inet_ntoa(int(table[r, 0]).to_bytes(4, "big"))
-            if ip.startswith("127.") and r not in on_node:
-                self.unreachable.append(r)
-                continue
-            self._remote[r] = (ip, int(table[r, 1]))
-        if self.unreachable:
-            self.note = (f"ranks {self.unreachable} are on other nodes but their hostname resolves to a loopback "
-                         "address: they cannot be rung and wake at their timeout (set runtime.doorbell_address "
-                         "to the node's address on the job network)")
+        got, t_end = 0, time.monotonic() + check_s
+        while got < len(expect) and select.select([self.udp], [], [], max(0.0, t_end - time.monotonic()))[0]:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    self.udp.recv(64)
+                    got += 1
+        if got < len(expect):
+            self.note = (f"rank {self.rank}: the test ring from rank {expect[0]} (another node) did not reach "
+                         f"{self.address} within {check_s:g} s: rings from other nodes may not arrive (a firewall, "
+                         "or an address off the job network: set runtime.doorbell_network); they are sent anyway, "
+                         "and this rank still wakes at its timeout (runtime.idle_sleep_ms)")
 
     def ring(self, dest: int) -> bool:
         """After a send to ``dest``: wake it if it sleeps on this node, or ring it if it is on another node
@@ -211,7 +293,7 @@ def _drain(sk: socket.socket) -> None:
         pass
 
 
-def start_doorbell(comm: Any, remote: bool = True, address: str | None = None) -> Doorbell:
+def start_doorbell(comm: Any, remote: bool = True, network: str | None = None) -> Doorbell:
     """Collective: make this rank's doorbell and install it in the rank loops (:mod:`mailbox`).
 
     Close it with :meth:`Doorbell.close` on every rank once the loops are done, and only on success
@@ -219,6 +301,6 @@ def start_doorbell(comm: Any, remote: bool = True, address: str | None = None) -
     """
     from hpcsplit.runtime import mailbox
 
-    db = Doorbell(comm, remote, address)
+    db = Doorbell(comm, remote, network)
     mailbox.install_doorbell(db)
     return db

@@ -17,13 +17,13 @@ __all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell"
 
 IN_FLIGHT_SLEEP_S = 50e-6
 DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, no select)
-DOORBELL_DEEP_SLEEP_S = 10e-3  # deep sleep when every rank of the job can ring this one
+DOORBELL_DEEP_SLEEP_S = 10e-3  # deep sleep when every rank of the job is on this node (all can ring)
 
 _DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
 
 
 def install_doorbell(db: Any) -> None:
-    """Make idle sleeps end when another rank of the node rings (None: plain sleeps again)."""
+    """Make idle sleeps end when another rank rings (None: plain sleeps again)."""
     global _DOORBELL
     _DOORBELL = db
 
@@ -42,7 +42,8 @@ class Backoff:
     long wakes ``1 / deep_sleep_s`` times a second for an ``Iprobe`` instead of spinning a whole core in
     MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives,
     unless a doorbell is installed (:func:`install_doorbell`): then a sender wakes it at once and, when
-    every rank of the job can ring it, the deep sleep grows to ``DOORBELL_DEEP_SLEEP_S``.
+    the whole job is on this node, the deep sleep grows to ``DOORBELL_DEEP_SLEEP_S`` (UDP rings from
+    other nodes are not counted on for that).
     """
 
     __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
@@ -85,7 +86,7 @@ class Backoff:
                 time.sleep(s)
         deep = idle_for > self.deep_after_s
         ceiling = self.deep_sleep_s if deep else self.max_sleep_s
-        if deep and _DOORBELL is not None and _DOORBELL.all_can_ring:
+        if deep and _DOORBELL is not None and _DOORBELL.all_local:
             # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
             ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
         self._sleep = min(self._sleep * 2, ceiling)

@@ -22,6 +22,7 @@ the frontend cannot.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 import time
@@ -55,7 +56,7 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
     "abort_grace_s": 3.0,
     "idle_sleep_ms": 2.0,
     "doorbell": True,  # true | local | false; [Note: doorbell] in runtime/doorbell.py
-    "doorbell_address": None,  # IPv4 address other nodes ring this node's ranks at; None: the hostname's
+    "doorbell_network": None,  # interface (hsn0) or IPv4 network (10.0.0.0/8) other nodes ring at; None: hostname's
     "fault": None,  # tests: {component, kind: raise|sleep, after_batches, sleep_s, times}
 }
 
@@ -75,9 +76,19 @@ def runtime_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         problems.append(f"runtime.max_inflight={rt['max_inflight']}: needs >= 1")
     if not float(rt["request_timeout_s"]) > 0:
         problems.append(f"runtime.request_timeout_s={rt['request_timeout_s']}: needs > 0")
-    if rt["doorbell"] not in (True, False, "local"):
+    if not (type(rt["doorbell"]) is bool or rt["doorbell"] == "local"):
         problems.append(f"runtime.doorbell={rt['doorbell']!r}: use true (ring ranks on every node), local "
                         "(ranks on the same node only) or false")
+    net = rt["doorbell_network"]
+    if net is not None:
+        try:
+            if not isinstance(net, str) or not net.strip():
+                raise ValueError("not a string")
+            if "/" in net:
+                ipaddress.IPv4Network(net, strict=False)
+        except ValueError as e:
+            problems.append(f"runtime.doorbell_network={net!r}: give an interface name (hsn0, ib0) or an IPv4 "
+                            f"network such as 10.100.0.0/16 ({e})")
     if problems:
         raise ConfigError("invalid runtime settings:\n  - " + "\n  - ".join(problems))
     rt["mode"] = mode
@@ -361,8 +372,8 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
 
     db = None
     if rt["doorbell"]:  # [Note: doorbell]
-        db = start_doorbell(comm, rt["doorbell"] is True, rt["doorbell_address"])
-        if db.note and (rank == 0 or db.unreachable):
+        db = start_doorbell(comm, rt["doorbell"] is True, rt["doorbell_network"])
+        if db.note:
             _say(rank, db.note)
     if entry.role == "frontend":
         out: dict[str, Any] | None = session.run_frontend(ctx, variants)

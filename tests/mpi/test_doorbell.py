@@ -98,8 +98,9 @@ from hpcsplit.runtime.doorbell import Doorbell
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-db = Doorbell(comm, remote=os.environ["REMOTE"] == "1")
-out = {"remote_peers": len(db._remote), "all_can_ring": db.all_can_ring, "note": db.note}
+mode = os.environ["REMOTE"]
+db = Doorbell(comm, remote=mode != "local", network="203.0.113.0/24" if mode == "bad" else None)
+out = {"remote_peers": len(db._remote), "all_local": db.all_local, "note": db.note, "address": db.address}
 comm.Barrier()
 # 1. stale rings (messages already taken while busy) must not end a later sleep early
 if rank == 0:
@@ -127,7 +128,9 @@ if rank == 1:
     out["got"] = got[0][0].header.request_ids
     out["wakeups"] = db.wakeups
 elif rank == 0:
-    time.sleep(0.3)  # rank 1 is asleep (its flag is never read: it counts as on another node)
+    while not db.flags[1]:  # the flags still exist on this one node; rank 0 only reads them to time the send
+        time.sleep(1e-3)
+    time.sleep(0.02)  # past the probe the sleeper makes after raising its flag: only a ring can wake it now
     ob = mb.Outbox()
     ob.add(tp.isend_message(comm, 1, tp.KIND_DATA, (9,), (), [(0, torch.ones(3))]), 1)
     ob.drain(10.0)
@@ -135,23 +138,29 @@ elif rank == 0:
 ''' + TAIL
 
 
-@pytest.mark.parametrize("remote", [True, False], ids=["udp", "local-only"])
-def test_ranks_on_other_nodes_are_rung_over_udp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                remote: bool) -> None:
+@pytest.mark.parametrize("mode", ["udp", "local", "bad"])
+def test_ranks_on_other_nodes_are_rung_over_udp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """``HPCSPLIT_DOORBELL_ALL_REMOTE=1``: every other rank counts as on another node.  With UDP rings a
-    rank asleep for 5 s is woken at once; with node-local rings only (``runtime.doorbell=local``) it sleeps on."""
+    rank asleep for 5 s is woken at once.  With node-local rings only (``runtime.doorbell=local``), or with
+    a network no interface is on (``runtime.doorbell_network``, reported), it sleeps on to its timeout."""
     if MPIEXEC is None:  # pragma: no cover
         pytest.skip("no mpiexec on PATH")
     monkeypatch.setenv("HPCSPLIT_DOORBELL_ALL_REMOTE", "1")
-    monkeypatch.setenv("REMOTE", "1" if remote else "0")
+    monkeypatch.setenv("REMOTE", mode if mode != "udp" else "1")
     r0, r1 = run_job(tmp_path, REMOTE, 2, timeout_s=180)
     assert r1["got"] == [9]
-    assert r0["stale"] is remote
+    assert not r0["all_local"] and not r1["all_local"]  # UDP rings never lengthen sleeps
+    assert r0["stale"] is (mode == "udp")
     assert r1["stale_sleep_rung"] is False and r1["stale_sleep_s"] >= 0.15  # drained, not woken by it
-    if remote:
-        assert r0["remote_peers"] == r1["remote_peers"] == 1 and r0["all_can_ring"] and not r0["note"]
-        assert r0["remote_rings"] == 2 and r1["wakeups"] == 1  # the stale ring, then the send's
+    if mode == "udp":
+        assert r0["remote_peers"] == r1["remote_peers"] == 1 and r0["address"] and not r0["note"] + r1["note"]
+        assert r0["remote_rings"] == 2 and r1["wakeups"] == 1  # rings: the stale one, then the send's
         assert r1["woken_after_s"] < 3.0  # rung, not the 5 s timeout
     else:
-        assert r0["remote_peers"] == 0 and not r0["all_can_ring"] and r0["remote_rings"] == 0
+        assert r0["remote_peers"] == 0 and r0["remote_rings"] == 0
         assert r1["wakeups"] == 0 and r1["woken_after_s"] >= 4.0  # nobody could ring it: its timeout
+    if mode == "bad":
+        for r in (r0, r1):
+            assert "203.0.113.0/24" in r["note"] and "runtime.doorbell_network" in r["note"] and not r["address"]
+    elif mode == "local":
+        assert not r0["note"] and not r0["address"]

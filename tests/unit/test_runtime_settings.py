@@ -49,3 +49,12 @@ def test_runtime_settings_lists_every_problem() -> None:
     assert "runtime.mode='stream'" in msg and "max_inflight=0" in msg and "request_timeout_s=0" in msg
     assert "runtime.doorbell='udp'" in msg and "local" in msg
     assert runtime_settings({"stage": "serve", "runtime": {"doorbell": "local"}})["doorbell"] == "local"
+
+
+def test_doorbell_settings_are_checked() -> None:
+    with pytest.raises(ConfigError) as e:
+        runtime_settings({"stage": "serve", "runtime": {"doorbell": 1, "doorbell_network": "10.0.0.300/8"}})
+    msg = str(e.value)
+    assert "runtime.doorbell=1" in msg and "runtime.doorbell_network='10.0.0.300/8'" in msg and "hsn0" in msg
+    ok = runtime_settings({"stage": "serve", "runtime": {"doorbell": False, "doorbell_network": "hsn0"}})
+    assert ok["doorbell"] is False and ok["doorbell_network"] == "hsn0"

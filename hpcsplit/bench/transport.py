@@ -10,7 +10,8 @@ Two ranks, float32 tensors of 4 KiB to 64 MiB, measured the two ways the OSU mic
   moves activations: many requests in flight, nonblocking sends, the receiver's :class:`~hpcsplit.runtime.
   mailbox.Inbox` taking whole messages.
 
-``raw`` is the best case: the receiver knows sizes in advance and receives with ``Recv`` into one
+``bare`` is our wire protocol in a few lines of mpi4py (header, then payload into one warm buffer, one tensor
+made): the least any Python implementation of it costs.  ``raw`` is the best case: the receiver knows sizes in advance and receives with ``Recv`` into one
 preallocated buffer (``rawW``: one buffer per message of a window, as a consumer that keeps them needs).  ``ours`` learns dtype and shape from the header, receives into
 a tensor from the buffer pool and hands out a :class:`~hpcsplit.runtime.transport.Message`; it polls
 until done, as MPICH's blocking calls do.  ``idle`` is ours with the transport's own non-spinning wait.
@@ -82,13 +83,23 @@ def _setup(nbytes: int):
 
 def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]) -> dict[str, list[float]]:
     """Seconds per one-way transfer per method (round trip / 2), one sample per round trip."""
-    np, _torch, MPI, tp, t = _setup(nbytes)
+    np, torch, MPI, tp, t = _setup(nbytes)
     raw_buf = np.empty(nbytes // 4, dtype=np.float32)
     peer = 1 - rank
+    # "bare": our wire protocol (an int64 header, then the payload) in a few lines of mpi4py, into one
+    # preallocated buffer, making one tensor: what any Python implementation of it costs at least
+    bare_hdr = tp.encode_header(tp.Header(tp.KIND_DATA, (0,), (), (tp.TensorMeta(0, torch.float32, (nbytes // 4,)),)))
+    bare_in = np.empty(64, dtype=np.int64)
+    bare_st = MPI.Status()
 
     def send(method: str) -> None:
         if method == "raw":
             comm.Send([t.numpy(), MPI.FLOAT], dest=peer, tag=1)
+        elif method == "bare":
+            reqs = [comm.Isend([bare_hdr.copy(), MPI.INT64_T], dest=peer, tag=tp.TAG_HEADER),
+                    comm.Isend([t.numpy(), MPI.BYTE], dest=peer, tag=tp.TAG_PAYLOAD)]
+            while not MPI.Request.Testall(reqs):
+                pass
         elif method == "pickle":
             comm.send(t, dest=peer, tag=2)
         elif method == "ours":  # like raw Send, which busy-polls in MPICH: poll back to back until done
@@ -100,6 +111,15 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]
     def recv(method: str) -> None:
         if method == "raw":
             comm.Recv([raw_buf, MPI.FLOAT], source=peer, tag=1)
+        elif method == "bare":
+            m = None
+            while m is None:
+                m = comm.Improbe(source=peer, tag=tp.TAG_HEADER, status=bare_st)
+            m.Recv([bare_in[:bare_st.Get_count(MPI.INT64_T)], MPI.INT64_T])
+            r = comm.Irecv([raw_buf, MPI.BYTE], source=peer, tag=tp.TAG_PAYLOAD)
+            while not r.Test():
+                pass
+            torch.from_numpy(raw_buf)
         elif method == "pickle":
             comm.recv(source=peer, tag=2)
         elif method == "ours":
@@ -181,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     for nbytes in sizes:
         it = _iters_for(nbytes, args.iters)
         # pickle allocates a fresh buffer per message and idle sleeps: they take turns on their own
-        res = _pingpong(comm, rank, nbytes, it, ("raw", "ours"))
+        res = _pingpong(comm, rank, nbytes, it, ("raw", "bare", "ours"))
         res.update(_pingpong(comm, rank, nbytes, max(8, it // 2), ("pickle", "idle")))
         lat.append((nbytes, it, {m: _best_med(v) for m, v in res.items()}))
         nwin = max(6, it // 4)
@@ -197,14 +217,16 @@ def _run(args: argparse.Namespace) -> int:
           "pickle: mpi4py send/recv of the tensor")
     print("\n## latency: ping-pong, one-way time = round trip / 2 (best and median of 'iters'); idle = ours with "
           "the transport's non-spinning wait")
-    head = (f"{'size':>6} {'iters':>5} | {'raw us':>8} {'ours us':>8} {'pickle us':>9} {'idle us':>8} | "
-            f"{'ours-raw us':>11} {'raw/ours':>8} | {'med raw':>8} {'med ours':>8} {'med r/o':>8}")
+    head = (f"{'size':>6} {'iters':>5} | {'raw us':>8} {'bare us':>8} {'ours us':>8} {'pickle us':>9} "
+            f"{'idle us':>8} | {'ours-raw us':>11} {'raw/ours':>8} {'raw/bare':>8} | {'med raw':>8} {'med ours':>8} "
+            f"{'med r/o':>8}")
     print(head)
     print("-" * len(head))
     for nbytes, it, r in lat:
-        print(f"{_label(nbytes):>6} {it:>5} | {r['raw'][0] * 1e6:>8.1f} {r['ours'][0] * 1e6:>8.1f} "
-              f"{r['pickle'][0] * 1e6:>9.1f} {r['idle'][0] * 1e6:>8.1f} | "
-              f"{(r['ours'][0] - r['raw'][0]) * 1e6:>11.1f} {r['raw'][0] / r['ours'][0]:>8.1%} | "
+        print(f"{_label(nbytes):>6} {it:>5} | {r['raw'][0] * 1e6:>8.1f} {r['bare'][0] * 1e6:>8.1f} "
+              f"{r['ours'][0] * 1e6:>8.1f} {r['pickle'][0] * 1e6:>9.1f} {r['idle'][0] * 1e6:>8.1f} | "
+              f"{(r['ours'][0] - r['raw'][0]) * 1e6:>11.1f} {r['raw'][0] / r['ours'][0]:>8.1%} "
+              f"{r['raw'][0] / r['bare'][0]:>8.1%} | "
               f"{r['raw'][1] * 1e6:>8.1f} {r['ours'][1] * 1e6:>8.1f} {r['raw'][1] / r['ours'][1]:>8.1%}")
     print("\n## bandwidth: a window of W messages in flight, then a 1-byte ack (best and median of 'windows'); "
           "raw lands every message in one warm buffer (the OSU figure), rawW in a buffer per message")
@@ -236,8 +258,10 @@ def _run(args: argparse.Namespace) -> int:
         if one_mib:
             nbytes, _it, r = one_mib[0]
             print(f"ping-pong at {_label(nbytes)}: ours adds {(r['ours'][0] - r['raw'][0]) * 1e6:.0f} us per "
-                  f"message ({r['raw'][0] / r['ours'][0]:.0%} of raw): header, dtype/shape and a tensor made in "
-                  "Python, which after a large copy runs with cold caches (docs/runtime.md, Transport)")
+                  f"message ({r['raw'][0] / r['ours'][0]:.0%} of raw), the bare protocol "
+                  f"{(r['bare'][0] - r['raw'][0]) * 1e6:.0f} us ({r['raw'][0] / r['bare'][0]:.0%}): header, "
+                  "dtype/shape and a tensor made in Python, which after a large copy runs with cold caches "
+                  "(docs/runtime.md, Transport)")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,12 @@ def run_levels(ctx: Any, fe: Frontend, variant: str) -> dict[str, Any]:
     if b["warmup_s"] and b["warmup_s"] > 0:
         fe.run(arrival_times(b["qps"][0], float(b["warmup_s"]), "constant"), get, None, timeout,
                int(rt["max_inflight"]))
-    levels, raw = [], []
+    levels, raw, windows = [], [], []
     for i, q in enumerate(b["qps"]):
         arr = arrival_times(q, float(b["duration_s"]), str(b["arrival"]), int(b["seed"]) + i)
+        w0 = time.time()
         res = fe.run(arr, get, None, timeout, int(rt["max_inflight"]))
+        windows.append((w0, time.time()))
         s = summarize(variant, q, res.arrival_s, res.done_s, res.ok, res.path_ms)
         levels.append(s)
         raw.append({"qps": q, "request_ids": res.request_ids, "arrival_s": res.arrival_s,
@@ -70,7 +73,21 @@ def run_levels(ctx: Any, fe: Frontend, variant: str) -> dict[str, Any]:
         _say(f"bench {variant:>5} qps {q:>7g}: achieved {s.achieved_qps:8.2f} req/s, ok {s.success_rate:6.1%}, "
              f"p50 {s.p50_ms:8.2f} ms, p90 {s.p90_ms:8.2f} ms, p99 {s.p99_ms:8.2f} ms ({s.n_requests} requests; "
              f"critical-path compute p50 {s.path_p50_ms:.2f} ms)")
-    return {"levels": levels, "raw": raw}
+    return {"levels": levels, "raw": raw, "windows": windows}
+
+
+def in_run_batch1_ms(ranks: list[dict[str, Any]], batch1: dict[tuple[str, int], Any], variant: str,
+                     window: tuple[float, float]) -> dict[str, tuple[float, int]]:
+    """Per component of ``variant``: p50 compute (ms) of its batches of one request that ended within
+    ``window`` (wall clock), and how many there were; components with none are left out."""
+    by_comp: dict[str, list[float]] = {}
+    for st in ranks:
+        if st.get("variant") != variant:
+            continue
+        at, ms = batch1.get((variant, st["rank"]), ((), ()))
+        by_comp.setdefault(st["component"], []).extend(
+            m for a, m in zip(at, ms, strict=True) if window[0] <= a <= window[1])
+    return {c: (float(np.median(v)), len(v)) for c, v in by_comp.items() if v}
 
 
 def critical_path_floor_ms(ctx: Any) -> tuple[float, dict[str, float], str] | None:
@@ -153,8 +170,13 @@ def _plot(out: Path, results: dict[str, Any]) -> list[str]:
     return files
 
 
-def finish(ctx: Any, results: dict[str, Any]) -> dict[str, Any]:
-    """Write the results files, print the table and the critical-path floor; return a JSON-able summary."""
+def finish(ctx: Any, results: dict[str, Any], ranks: list[dict[str, Any]] | None = None,
+           batch1: dict[tuple[str, int], Any] | None = None) -> dict[str, Any]:
+    """Write the results files, print the table and the critical-path floor; return a JSON-able summary.
+
+    ``ranks`` and ``batch1`` (the component ranks' counters and their batch-1 compute samples) add each
+    component's compute at the lowest level beside the profile's figure.
+    """
     out = ctx.run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
     whole: list[LevelSummary] = results.get("whole", {}).get("levels", [])
@@ -199,6 +221,18 @@ def finish(ctx: Any, results: dict[str, Any]) -> dict[str, Any]:
         print(line, flush=True)
         summary.update(critical_path_ms=cp, critical_path_components_ms=lat, low_load_vs_floor=low.p50_ms / cp,
                        profile=path)
+        windows = results["split"].get("windows") or []
+        if ranks and batch1 and windows:
+            run = in_run_batch1_ms(ranks, batch1, "split", windows[0])
+            if run:
+                parts = ", ".join(f"{c} {run[c][0]:.2f} vs {lat[c]:.2f} ({run[c][0] / lat[c]:.2f}x, {run[c][1]} batches)"
+                                  for c in lat if c in run and lat[c] > 0)
+                print(f"low load ({low.offered_qps:g} req/s): compute of a batch of one in this run vs the profile, "
+                      f"ms: {parts} (the profile times each component alone and back to back; here a request "
+                      "finds it idle, its weights out of cache, and the branches computing side by side)",
+                      flush=True)
+                summary["low_load_batch1_compute_ms"] = {c: {"run_p50": v, "batches": n, "profile_p50": lat.get(c)}
+                                                         for c, (v, n) in run.items()}
     try:
         summary["plots"] = _plot(out, results)
     except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the measurements

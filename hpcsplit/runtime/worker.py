@@ -61,6 +61,9 @@ RUNTIME_DEFAULTS: dict[str, Any] = {
 }
 
 
+_MAX_B1_SAMPLES = 20000  # batch-1 compute samples a rank keeps for the bench (per variant)
+
+
 def runtime_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg['runtime']`` over :data:`RUNTIME_DEFAULTS`, with the mode resolved; raises ConfigError."""
     rt = dict(RUNTIME_DEFAULTS)
@@ -205,6 +208,9 @@ def serve_component(
     backoff = mb.Backoff(deep_sleep_s=idle_sleep_s)
     stats = {"rank": rank, "component": name, "batches": 0, "requests": 0, "compute_s": 0.0,
              "expired": 0, "max_batch": 0}
+    # (wall-clock end, ms) of every batch of one request: the bench compares a level's with the profile
+    b1_at: list[float] = []
+    b1_ms: list[float] = []
     t_start, cpu_start = time.perf_counter(), cpu_seconds()
     stops_needed = set(df.upstream_ranks(name))
     stopping = False
@@ -248,6 +254,9 @@ def serve_component(
                 stats["requests"] += len(ids)
                 stats["compute_s"] += t1 - t0
                 stats["max_batch"] = max(stats["max_batch"], len(ids))
+                if len(ids) == 1 and len(b1_ms) < _MAX_B1_SAMPLES:
+                    b1_at.append(time.time())
+                    b1_ms.append((t1 - t0) * 1e3)
                 # [Note: critical path in the run] aux of a data message = the longest chain of
                 # compute (us) behind it: upstream's longest + ours.  Exact per request at batch 1.
                 path_us = max(it.path_us for it in items) + int((t1 - t0) * 1e6)
@@ -270,7 +279,11 @@ def serve_component(
                 t_idle = time.perf_counter()
                 backoff.idle(t_idle, batcher.deadline(), bool(inbox.pending) or outbox.in_flight(t_idle))
     wall = time.perf_counter() - t_start
-    stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join))
+    stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join),
+                 batch1_samples=(b1_at, b1_ms))
+    db = mb._DOORBELL
+    if db is not None:  # this rank's doorbell so far (it serves every variant)
+        stats.update(doorbell_wakeups=db.wakeups, doorbell_missed=db.missed)
     return stats
 
 

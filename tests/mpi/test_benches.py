@@ -25,7 +25,7 @@ def _bench(*args: str, timeout_s: float = 240.0) -> str:
 def test_transport_bench_prints_latency_and_bandwidth_against_raw_and_pickle() -> None:
     out = _bench("transport", "--sizes", "4K,1M", "--iters", "8")
     assert "## latency: ping-pong" in out and "## bandwidth:" in out
-    for col in ("raw us", "ours us", "pickle us", "raw GB/s", "rawW GB/s", "ours GB/s", "pickle GB/s"):
+    for col in ("raw us", "bare us", "ours us", "pickle us", "raw GB/s", "rawW GB/s", "ours GB/s", "pickle GB/s"):
         assert col in out, col
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("4K", "1M"))]
     assert len(rows) == 4  # both sizes in both tables
@@ -35,5 +35,5 @@ def test_transport_bench_prints_latency_and_bandwidth_against_raw_and_pickle() -
 def test_cpu_bench_prints_idle_and_wake_up() -> None:
     out = _bench("cpu", "--only", "idle,wake", "--idle-s", "0.5")
     assert "## idle component rank CPU" in out and "target:" in out
-    assert "doorbell     p50" in out and "sleep only   p50" in out
+    assert "doorbell     p50" in out and "UDP doorbell p50" in out and "sleep only   p50" in out
     assert "cold wake on this machine" in out and "back to back" in out

@@ -199,21 +199,24 @@ def finish(ctx: Any, results: dict[str, Any], ranks: list[dict[str, Any]] | None
     summary: dict[str, Any] = {"bench_dir": str(out), "table": table,
                                "levels": [s.to_dict() for r in results.values() for s in r["levels"]],
                                "improvement": rows}
+    # the lowest load (bench.qps need not be in order)
+    lo = min(range(len(split)), key=lambda i: split[i].offered_qps) if split else 0
     if split:
-        low = split[0]
+        low = split[lo]
         line = (f"low load ({low.offered_qps:g} req/s): split p50 {low.p50_ms:.2f} ms; compute on the critical "
                 f"path in this run p50 {low.path_p50_ms:.2f} ms; per request, latency / its critical-path "
                 f"compute: median {low.over_path_p50:.3f}x (target <= 1.10x; the rest is transport, wake-ups "
                 "and queueing behind earlier requests)")
         if whole:
-            line += (f"; whole p50 {whole[0].p50_ms:.2f} ms, latency / its compute: median "
-                     f"{whole[0].over_path_p50:.3f}x")
+            wlow = min(whole, key=lambda x: x.offered_qps)
+            line += (f"; whole p50 {wlow.p50_ms:.2f} ms, latency / its compute: median "
+                     f"{wlow.over_path_p50:.3f}x")
         print(line, flush=True)
         summary.update(low_load_latency_over_run_critical_path=low.over_path_p50)
     floor = critical_path_floor_ms(ctx)
     if floor is not None and split:
         cp, lat, path = floor
-        low = split[0]
+        low = split[lo]
         parts = ", ".join(f"{k} {v:.2f}" for k, v in lat.items())
         line = (f"low load ({low.offered_qps:g} req/s): split p50 {low.p50_ms:.2f} ms vs critical-path floor "
                 f"{cp:.2f} ms from the profile {path} (batch 1: {parts}) = {low.p50_ms / cp:.2f}x the floor "
@@ -222,11 +225,13 @@ def finish(ctx: Any, results: dict[str, Any], ranks: list[dict[str, Any]] | None
         summary.update(critical_path_ms=cp, critical_path_components_ms=lat, low_load_vs_floor=low.p50_ms / cp,
                        profile=path)
         windows = results["split"].get("windows") or []
-        if ranks and batch1 and windows:
-            run = in_run_batch1_ms(ranks, batch1, "split", windows[0])
+        if ranks and batch1 and len(windows) > lo:
+            run = in_run_batch1_ms(ranks, batch1, "split", windows[lo])
+            parts = ""
             if run:
                 parts = ", ".join(f"{c} {run[c][0]:.2f} vs {lat[c]:.2f} ({run[c][0] / lat[c]:.2f}x, {run[c][1]} batches)"
                                   for c in lat if c in run and lat[c] > 0)
+            if parts:
                 print(f"low load ({low.offered_qps:g} req/s): compute of a batch of one in this run vs the profile, "
                       f"ms: {parts} (the profile times each component alone and back to back; here a request "
                       "finds it idle, its weights out of cache, and the branches computing side by side)",

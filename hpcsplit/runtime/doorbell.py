@@ -12,10 +12,9 @@ same node that sees the flag up after its ``Isend`` writes one byte to that sock
 at once.  Busy ranks have their flag down, so the common case costs a sender one byte read.
 
 The flag and the message can cross (the receiver raises its flag and probes while the sender posts and
-reads the flag; x86 may reorder either side's store and load), and then no byte is sent: the message is
-found by the probe the sleeper makes every 10 ms (``Doorbell.missed`` counts those), no later than
-without a doorbell.  A long sleep (up to 100 ms, only when every sender can ring) stays inside
-:meth:`Doorbell.sleep` between those probes, so the rank loop's Python does not run 100 times a second.
+reads the flag; x86 may reorder either side's store and load), and then no byte is sent: the sleep
+ends at its timeout as it did without a doorbell.  A doorbell can only make a wake-up earlier, never
+later.
 
 Ranks on other nodes (``runtime.doorbell: true``; ``local`` rings node-local ranks only): their flags
 cannot be read, so every send to one is followed by a one-byte UDP datagram to its doorbell port
@@ -28,7 +27,7 @@ datagrams pile up unread, so a rank drains its UDP socket after raising its flag
 stale byte would end the next sleep for nothing, and the probe sees every message whose ring the drain
 dropped -- unless the datagram overtook the MPI message, and then that sleep ends at its timeout, as
 without a doorbell.  UDP rings only ever shorten sleeps: a rank that any sender must ring over UDP
-keeps ``runtime.idle_sleep_ms`` as its longest sleep (only ranks of a one-node job sleep longer, probing every 10 ms),
+keeps ``runtime.idle_sleep_ms`` as its longest sleep (only ranks of a one-node job sleep up to 10 ms),
 so a lost datagram costs what no doorbell costs.  ``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
 counts) treats every other rank as remote: tests and ``bench cpu`` run this path on one node.
 """
@@ -144,7 +143,6 @@ class Doorbell:
         self.rings = 0  # bytes sent (for tests and the CPU benchmark)
         self.remote_rings = 0  # of which UDP datagrams to other nodes
         self.wakeups = 0  # sleeps ended by a ring
-        self.missed = 0  # sleeps ended by a periodic probe that found a message whose ring never came
         self._node_id = min(int(g) for g in local_globals)  # the node's lowest global rank
         self._all_remote = bool(head[1])
         if self._all_remote:  # as if every rank had a node of its own (tests, bench cpu)
@@ -240,14 +238,8 @@ class Doorbell:
         self.rings += 1
         return True
 
-    def sleep(self, timeout_s: float, probe: Callable[[], bool] | None = None,
-              probe_every_s: float | None = None) -> bool:
-        """Sleep up to ``timeout_s``; return True when rung (or ``probe()`` saw work) before the timeout.
-
-        ``probe_every_s``: wake that often to call ``probe`` again (a message whose ring was missed is
-        found within it), without returning to the caller's loop, whose Python is what a wake-up costs
-        on a cold core.  The flag stays up throughout, so a ring still ends the sleep at once.
-        """
+    def sleep(self, timeout_s: float, probe: Callable[[], bool] | None = None) -> bool:
+        """Sleep up to ``timeout_s``; return True when rung (or ``probe()`` saw work) before the timeout."""
         flags, me = self.flags, self._me
         flags[me] = 1
         try:
@@ -256,21 +248,11 @@ class Doorbell:
             if probe is not None and probe():
                 self._drain()  # a sender may have rung as well: no stale byte to end a later sleep
                 return True
-            t_end = time.perf_counter() + timeout_s
-            step = timeout_s if probe is None or probe_every_s is None else probe_every_s
-            while True:
-                ready, _, _ = select.select(self._socks, [], [], min(step, timeout_s))
-                if ready:
-                    break
-                timeout_s = t_end - time.perf_counter()
-                if timeout_s <= 0:
-                    return False
-                if probe is not None and probe():  # a message came, and no ring with it
-                    self.missed += 1
-                    self._drain()
-                    return True
+            ready, _, _ = select.select(self._socks, [], [], timeout_s)
         finally:
             flags[me] = 0
+        if not ready:
+            return False
         self.wakeups += 1
         self._drain()
         return True

@@ -17,8 +17,7 @@ __all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell"
 
 IN_FLIGHT_SLEEP_S = 50e-6
 DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, no select)
-DOORBELL_DEEP_SLEEP_S = 10e-3  # probe period of a deep sleep when every rank of the job is on this node
-DOORBELL_LONG_SLEEP_S = 0.1  # ... and how long such a sleep lasts before the rank loop runs again
+DOORBELL_DEEP_SLEEP_S = 10e-3  # deep sleep when every rank of the job is on this node (all can ring)
 
 _DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
 
@@ -43,9 +42,8 @@ class Backoff:
     long wakes ``1 / deep_sleep_s`` times a second for an ``Iprobe`` instead of spinning a whole core in
     MPICH's blocking ``Recv``; the price is at most ``deep_sleep_s`` of added latency when work arrives,
     unless a doorbell is installed (:func:`install_doorbell`): then a sender wakes it at once and, when
-    the whole job is on this node, the deep sleep grows to ``DOORBELL_LONG_SLEEP_S``, probing for
-    messages every ``DOORBELL_DEEP_SLEEP_S`` inside the doorbell (UDP rings from other nodes are not
-    counted on for that).
+    the whole job is on this node, the deep sleep grows to ``DOORBELL_DEEP_SLEEP_S`` (UDP rings from
+    other nodes are not counted on for that).
     """
 
     __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
@@ -81,8 +79,7 @@ class Backoff:
             if db is not None and not in_flight and s >= DOORBELL_MIN_SLEEP_S:
                 # the probe after raising the flag catches a message sent just before it went up
                 # (its sender saw no flag and rang nobody)
-                every = DOORBELL_DEEP_SLEEP_S if s > DOORBELL_DEEP_SLEEP_S else None
-                if db.sleep(s, db.probe_header, every):  # a message is waiting: poll back to back again
+                if db.sleep(s, db.probe_header):  # a message is waiting: poll back to back again
                     self.reset()  # (the next poll takes it; a rung rank must not wait one more sleep)
                     return
             else:
@@ -90,9 +87,8 @@ class Backoff:
         deep = idle_for > self.deep_after_s
         ceiling = self.deep_sleep_s if deep else self.max_sleep_s
         if deep and _DOORBELL is not None and _DOORBELL.all_local:
-            # every sender can ring us: sleep longer, probing every DOORBELL_DEEP_SLEEP_S (a missed ring,
-            # a rare race, costs that much once); the loop's own Python runs 10 times a second
-            ceiling = max(ceiling, DOORBELL_LONG_SLEEP_S)
+            # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
+            ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
         self._sleep = min(self._sleep * 2, ceiling)
 
 

@@ -136,7 +136,8 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
         st["variant"] = vname
         all_stats.append(st)
     tracer.write(ctx.run_dir)
-    req = comm.isend(all_stats, dest=0, tag=_TAG_STATS)  # small dict of counters (not tensors)
+    # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
+    req = comm.isend(all_stats, dest=0, tag=_TAG_STATS)
     tp.wait_polling(req.Test)
     _barrier(comm)
 

@@ -127,7 +127,6 @@ if rank == 1:
     out["woken_after_s"] = time.perf_counter() - t0
     out["got"] = got[0][0].header.request_ids
     out["wakeups"] = db.wakeups
-    out["missed"] = db.missed
 elif rank == 0:
     while not db.flags[1]:  # the flags still exist on this one node; rank 0 only reads them to time the send
         time.sleep(1e-3)
@@ -143,8 +142,8 @@ elif rank == 0:
 def test_ranks_on_other_nodes_are_rung_over_udp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """``HPCSPLIT_DOORBELL_ALL_REMOTE=1``: every other rank counts as on another node.  With UDP rings a
     rank in a 5 s sleep is woken by the ring.  With node-local rings only (``runtime.doorbell=local``), or
-    with a network no interface is on (``runtime.doorbell_network``, reported), nothing rings it, and the
-    probe it makes every 10 ms inside the sleep finds the message (counted as missed)."""
+    with a network no interface is on (``runtime.doorbell_network``, reported), nothing rings it: it sleeps
+    to its timeout."""
     if MPIEXEC is None:  # pragma: no cover
         pytest.skip("no mpiexec on PATH")
     monkeypatch.setenv("HPCSPLIT_DOORBELL_ALL_REMOTE", "1")
@@ -157,11 +156,10 @@ def test_ranks_on_other_nodes_are_rung_over_udp(tmp_path: Path, monkeypatch: pyt
     if mode == "udp":
         assert r0["remote_peers"] == r1["remote_peers"] == 1 and r0["address"] and not r0["note"] + r1["note"]
         assert r0["remote_rings"] == 2 and r1["wakeups"] == 1  # rings: the stale one, then the send's
-        assert r1["missed"] == 0
+        assert r1["woken_after_s"] < 3.0  # rung, not the 5 s timeout
     else:
         assert r0["remote_peers"] == 0 and r0["remote_rings"] == 0
-        assert r1["wakeups"] == 0 and r1["missed"] == 1  # nobody could ring it: found by the 10 ms probe
-    assert r1["woken_after_s"] < 3.0  # not the 5 s timeout
+        assert r1["wakeups"] == 0 and r1["woken_after_s"] >= 4.0  # nobody could ring it: its timeout
     if mode == "bad":
         for r in (r0, r1):
             assert "203.0.113.0/24" in r["note"] and "runtime.doorbell_network" in r["note"] and not r["address"]

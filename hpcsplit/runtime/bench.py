@@ -26,6 +26,7 @@ __all__ = ["BENCH_DEFAULTS", "bench_settings", "critical_path_floor_ms", "finish
 BENCH_DEFAULTS: dict[str, Any] = {
     "qps": [1, 2, 4, 8],
     "duration_s": 10.0,
+    "min_requests": 0,  # a level lasts at least min_requests / qps seconds
     "arrival": "poisson",
     "warmup_s": 2.0,
     "seed": 0,
@@ -61,7 +62,8 @@ def run_levels(ctx: Any, fe: Frontend, variant: str) -> dict[str, Any]:
                int(rt["max_inflight"]))
     levels, raw, windows = [], [], []
     for i, q in enumerate(b["qps"]):
-        arr = arrival_times(q, float(b["duration_s"]), str(b["arrival"]), int(b["seed"]) + i)
+        dur = max(float(b["duration_s"]), float(b["min_requests"]) / q)  # enough requests for a p50 at low load
+        arr = arrival_times(q, dur, str(b["arrival"]), int(b["seed"]) + i)
         w0 = time.time()
         res = fe.run(arr, get, None, timeout, int(rt["max_inflight"]))
         windows.append((w0, time.time()))

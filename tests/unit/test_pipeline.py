@@ -199,11 +199,13 @@ def test_invalid_values_are_listed_together() -> None:
     cfg["bench"]["qps"] = [-1, 2]
     cfg["model"]["batch_size"] = 0
     cfg["cluster"]["cpu_threads"] = [0]
+    cfg["bench"]["min_requests"] = -1
     with pytest.raises(ConfigError) as ei:
         validate(cfg)
     msg = str(ei.value)
-    assert "3 config problem(s)" in msg
+    assert "4 config problem(s)" in msg
     assert "bench.qps" in msg and "model.batch_size = 0" in msg and "cluster.cpu_threads" in msg
+    assert "bench.min_requests = -1" in msg
 
 
 def test_resume_shortcut() -> None:

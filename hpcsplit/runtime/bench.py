@@ -78,18 +78,19 @@ def run_levels(ctx: Any, fe: Frontend, variant: str) -> dict[str, Any]:
     return {"levels": levels, "raw": raw, "windows": windows}
 
 
-def in_run_batch1_ms(ranks: list[dict[str, Any]], batch1: dict[tuple[str, int], Any], variant: str,
+def in_run_batch1_ms(batch1: dict[tuple[str, str], list[tuple[float, float]]], variant: str,
                      window: tuple[float, float]) -> dict[str, tuple[float, int]]:
     """Per component of ``variant``: p50 compute (ms) of its batches of one request that ended within
-    ``window`` (wall clock), and how many there were; components with none are left out."""
-    by_comp: dict[str, list[float]] = {}
-    for st in ranks:
-        if st.get("variant") != variant:
-            continue
-        at, ms = batch1.get((variant, st["rank"]), ((), ()))
-        by_comp.setdefault(st["component"], []).extend(
-            m for a, m in zip(at, ms, strict=True) if window[0] <= a <= window[1])
-    return {c: (float(np.median(v)), len(v)) for c, v in by_comp.items() if v}
+    ``window`` (wall clock), and how many there were; components with none are left out.
+
+    ``batch1`` maps (variant, component) to the (wall-clock end, ms) of those batches, replicas pooled.
+    """
+    out = {}
+    for (v, comp), samples in batch1.items():
+        ms = [m for a, m in samples if v == variant and window[0] <= a <= window[1]]
+        if ms:
+            out[comp] = (float(np.median(ms)), len(ms))
+    return out
 
 
 def critical_path_floor_ms(ctx: Any) -> tuple[float, dict[str, float], str] | None:
@@ -172,12 +173,12 @@ def _plot(out: Path, results: dict[str, Any]) -> list[str]:
     return files
 
 
-def finish(ctx: Any, results: dict[str, Any], ranks: list[dict[str, Any]] | None = None,
-           batch1: dict[tuple[str, int], Any] | None = None) -> dict[str, Any]:
+def finish(ctx: Any, results: dict[str, Any],
+           batch1: dict[tuple[str, str], list[tuple[float, float]]] | None = None) -> dict[str, Any]:
     """Write the results files, print the table and the critical-path floor; return a JSON-able summary.
 
-    ``ranks`` and ``batch1`` (the component ranks' counters and their batch-1 compute samples) add each
-    component's compute at the lowest level beside the profile's figure.
+    ``batch1`` (see :func:`in_run_batch1_ms`) adds each component's compute at the lowest level beside
+    the profile's figure.
     """
     out = ctx.run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
@@ -227,12 +228,10 @@ def finish(ctx: Any, results: dict[str, Any], ranks: list[dict[str, Any]] | None
         summary.update(critical_path_ms=cp, critical_path_components_ms=lat, low_load_vs_floor=low.p50_ms / cp,
                        profile=path)
         windows = results["split"].get("windows") or []
-        if ranks and batch1 and len(windows) > lo:
-            run = in_run_batch1_ms(ranks, batch1, "split", windows[lo])
-            parts = ""
-            if run:
-                parts = ", ".join(f"{c} {run[c][0]:.2f} vs {lat[c]:.2f} ({run[c][0] / lat[c]:.2f}x, {run[c][1]} batches)"
-                                  for c in lat if c in run and lat[c] > 0)
+        if batch1 and len(windows) > lo:
+            run = in_run_batch1_ms(batch1, "split", windows[lo])
+            parts = ", ".join(f"{c} {run[c][0]:.2f} vs {lat[c]:.2f} ({run[c][0] / lat[c]:.2f}x, {run[c][1]} batches)"
+                              for c in lat if c in run and lat[c] > 0)
             if parts:
                 print(f"low load ({low.offered_qps:g} req/s): compute of a batch of one in this run vs the profile, "
                       f"ms: {parts} (the profile times each component alone and back to back; here a request "

@@ -255,19 +255,18 @@ def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str
         fe.stop_all()
     assert fe is not None
     summary["ranks"] = _collect_stats(ctx, fe)
-    batch1 = {}  # (variant, rank) -> (wall-clock ends, ms) of its batches of one request
+    batch1: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (variant, component) -> (end, ms)
     for st in summary["ranks"]:
         if st.get("wall_s"):
             st["cpu_pct_of_core"] = 100.0 * st["cpu_s"] / st["wall_s"]
-        samples = st.pop("batch1_samples", None)
-        if samples is not None:
-            batch1[(st.get("variant", ""), st["rank"])] = samples
+        at, ms = st.pop("batch1_samples", ((), ()))
+        batch1.setdefault((st.get("variant", ""), st["component"]), []).extend(zip(at, ms, strict=True))
     tracer.write(ctx.run_dir)
     _barrier(comm)
     if rt["mode"] == "bench":
         from hpcsplit.runtime.bench import finish
 
-        summary.update(finish(ctx, bench_results, summary["ranks"], batch1))
+        summary.update(finish(ctx, bench_results, batch1))
     failed = summary["variants"].get("split", {}).get("failed", 0)
     if rt["mode"] == "batch" and failed:
         raise RequestTimeoutError(

@@ -62,14 +62,10 @@ def test_summary_reports_the_run_critical_path() -> None:
 def test_in_run_batch1_compute_keeps_the_window_and_the_variant() -> None:
     from hpcsplit.runtime.bench import in_run_batch1_ms
 
-    ranks = [{"variant": "split", "rank": 1, "component": "vision"},
-             {"variant": "split", "rank": 2, "component": "vision"},
-             {"variant": "split", "rank": 3, "component": "text"},
-             {"variant": "whole", "rank": 1, "component": "whole"}]
-    batch1 = {("split", 1): ([10.0, 11.0, 50.0], [100.0, 120.0, 900.0]),  # the last one is outside the window
-              ("split", 2): ([12.0], [140.0]),
-              ("split", 3): ([60.0], [30.0]),  # outside: text has none
-              ("whole", 1): ([11.0], [500.0])}
-    got = in_run_batch1_ms(ranks, batch1, "split", (9.0, 20.0))
+    batch1 = {("split", "vision"): [(10.0, 100.0), (11.0, 120.0), (50.0, 900.0),  # the 900 is outside the window
+                                    (12.0, 140.0)],  # (replicas pooled)
+              ("split", "text"): [(60.0, 30.0)],  # outside: text has none
+              ("whole", "whole"): [(11.0, 500.0)]}
+    got = in_run_batch1_ms(batch1, "split", (9.0, 20.0))
     assert got == {"vision": (120.0, 3)}  # replicas pooled, the median of 100, 120, 140
-    assert in_run_batch1_ms(ranks, batch1, "whole", (9.0, 20.0)) == {"whole": (500.0, 1)}
+    assert in_run_batch1_ms(batch1, "whole", (9.0, 20.0)) == {"whole": (500.0, 1)}

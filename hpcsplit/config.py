@@ -216,8 +216,9 @@ def value_problems(cfg: Mapping[str, Any]) -> list[str]:
     for key in ("bench.duration_s", "runtime.request_timeout_s", "allocate.time_limit_s"):
         if _get(cfg, key) is not None:
             _check_num(errs, key, _get(cfg, key), allow_none=False)
-    if _get(cfg, "bench.min_requests") is not None:
-        _check_int(errs, "bench.min_requests", _get(cfg, "bench.min_requests"), 0)
+    for key in ("bench.min_requests", "bench.floor_runs"):
+        if _get(cfg, key) is not None:
+            _check_int(errs, key, _get(cfg, key), 0)
     if _get(cfg, "bench.warmup_s") is not None and not (
         isinstance(_get(cfg, "bench.warmup_s"), int | float) and _get(cfg, "bench.warmup_s") >= 0
     ):

@@ -11,10 +11,16 @@ datagram socket of its own (Linux abstract namespace: no file, gone with the pro
 same node that sees the flag up after its ``Isend`` writes one byte to that socket, which ends the sleep
 at once.  Busy ranks have their flag down, so the common case costs a sender one byte read.
 
-The flag and the message can cross (the receiver raises its flag and probes while the sender posts and
-reads the flag; x86 may reorder either side's store and load), and then no byte is sent: the sleep
-ends at its timeout as it did without a doorbell.  A doorbell can only make a wake-up earlier, never
-later.
+The flag and the message must not cross: the receiver raises its flag, then probes; the sender posts the
+message, then reads the flag.  Each side stores, then loads, and a CPU may let the load pass the store
+(x86 does), so both could miss -- no ring, and the sleeper wakes only at its timeout.  So each side
+fences between the two: ``MPI_Win_sync`` on the flags' window (a memory barrier in the unified memory
+model; the window stays in one ``Lock_all`` epoch for the run).  Then either the probe sees the message
+or the sender sees the flag, and a quiet rank of a one-node job can sleep long
+(``DOORBELL_DEEP_SLEEP_S`` in :mod:`~hpcsplit.runtime.mailbox`, 100 ms) without a message waiting that
+long.  A sleep still ends at its timeout, so anything that slipped through (a send MPICH queued
+locally because the receiver's queue was full, which only happens under load, when ranks are awake)
+costs at most one such sleep.
 
 Ranks on other nodes (``runtime.doorbell: true``; ``local`` rings node-local ranks only): their flags
 cannot be read, so every send to one is followed by a one-byte UDP datagram to its doorbell port
@@ -27,7 +33,7 @@ datagrams pile up unread, so a rank drains its UDP socket after raising its flag
 stale byte would end the next sleep for nothing, and the probe sees every message whose ring the drain
 dropped -- unless the datagram overtook the MPI message, and then that sleep ends at its timeout, as
 without a doorbell.  UDP rings only ever shorten sleeps: a rank that any sender must ring over UDP
-keeps ``runtime.idle_sleep_ms`` as its longest sleep (only ranks of a one-node job sleep up to 10 ms),
+keeps ``runtime.idle_sleep_ms`` as its longest sleep (only ranks of a one-node job sleep up to 100 ms),
 so a lost datagram costs what no doorbell costs.  ``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
 counts) treats every other rank as remote: tests and ``bench cpu`` run this path on one node.
 """
@@ -133,6 +139,7 @@ class Doorbell:
         self._local_index = {int(g): i for i, g in enumerate(local_globals)}
         self._me = self.node.Get_rank()
         self.win = MPI.Win.Allocate_shared(n_local if self._me == 0 else 0, 1, comm=self.node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run: Win_sync is our fence
         buf, _ = self.win.Shared_query(0)
         self.flags = np.frombuffer(buf, dtype=np.uint8, count=n_local)  # type: ignore[call-overload]
         if self._me == 0:
@@ -156,6 +163,17 @@ class Doorbell:
         self.note = ""  # what is wrong with remote rings on this rank, if anything
         if not self.all_local:
             self._setup_remote(remote, network, check_s)
+        # how long a quiet rank may sleep (mailbox.Backoff): long when every sender rings through the fenced
+        # flags; shorter when some ring over UDP (a datagram can be lost or overtake its message); None (the
+        # plain backoff) when some sender cannot ring this rank at all
+        from hpcsplit.runtime.mailbox import DOORBELL_DEEP_SLEEP_S, DOORBELL_UDP_SLEEP_S
+
+        if self.all_local:
+            self.quiet_sleep_s: float | None = DOORBELL_DEEP_SLEEP_S
+        elif self.udp is not None and not self.note:
+            self.quiet_sleep_s = DOORBELL_UDP_SLEEP_S
+        else:
+            self.quiet_sleep_s = None
         self._socks = [self.sock] if self.udp is None else [self.sock, self.udp]
         self.node.Barrier()  # every socket is bound and every flag down before anyone rings
 
@@ -229,6 +247,7 @@ class Doorbell:
             self.rings += 1
             self.remote_rings += 1
             return True
+        self.win.Sync()  # fence: the message posted before is visible before we read the flag
         if not self.flags[i]:
             return False
         try:
@@ -242,6 +261,7 @@ class Doorbell:
         """Sleep up to ``timeout_s``; return True when rung (or ``probe()`` saw work) before the timeout."""
         flags, me = self.flags, self._me
         flags[me] = 1
+        self.win.Sync()  # fence: the flag is visible before the probe reads the queues
         try:
             if self.udp is not None:
                 _drain(self.udp)  # rings of messages taken while busy (the probe sees any still waiting)
@@ -281,6 +301,7 @@ class Doorbell:
             mailbox.install_doorbell(None)
         for sk in self._socks:
             sk.close()
+        self.win.Unlock_all()
         self.win.Free()
         self.node.Free()
 

@@ -203,8 +203,12 @@ class Frontend:
                 backoff.reset()
             else:
                 wake = t0 + arrivals[next_i] if next_i < n and len(inflight) < max_inflight else None
+                if inflight:  # the oldest request's deadline (a quiet sleep may last 100 ms)
+                    due = t0 + arrivals[next(iter(inflight))] + request_timeout_s
+                    wake = due if wake is None else min(wake, due)
                 t_idle = time.perf_counter()
-                backoff.idle(t_idle, wake, bool(self.inbox.pending) or self.outbox.in_flight(t_idle))
+                backoff.idle(t_idle, wake, bool(self.inbox.pending) or self.outbox.in_flight(t_idle),
+                             quiet=not self.inbox.pending and not self.outbox.pending)
         self.outbox.drain(timeout_s=10.0)
         self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, time.perf_counter() - t0, path_ms)
         return self.partial

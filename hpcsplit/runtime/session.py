@@ -114,6 +114,55 @@ def _check_component(ctx: Context, df: Dataflow, name: str, fn: Any, batch: int)
     return dt
 
 
+def floor_turns(ctx: Context, df: Dataflow, vname: str) -> list[int]:
+    """Ranks that time their component before the split levels, in turn: the first replica of each.
+
+    [Note: floor re-measured]
+    The critical-path floor comes from the profile, measured in another process, minutes or hours earlier.
+    On a shared or virtual machine the same batch-1 run can take 20% more or less from one minute to the
+    next, which is as large as the target (within 10% of the floor).  So in bench mode, before the split
+    levels, the first replica of every component runs ``bench.floor_runs`` batches of one back to back,
+    one rank at a time (the others wait at a non-spinning barrier), as the profile times them; the bench
+    prints the floor from these beside the profile's.  Empty unless bench mode, the split variant and
+    ``bench.floor_runs`` > 0; every rank computes the same list.
+    """
+    from hpcsplit.runtime.bench import bench_settings
+
+    if ctx.rt["mode"] != "bench" or vname != "split" or int(bench_settings(ctx.cfg)["floor_runs"]) <= 0:
+        return []
+    first: dict[str, int] = {}
+    for r, c in sorted(df.rank_component.items()):
+        first.setdefault(c, r)
+    return sorted(first.values())
+
+
+def _measure_floor(ctx: Context, df: Dataflow, vname: str, name: str, fn: Any) -> list[float]:
+    """This rank's turn of ``[Note: floor re-measured]``: ms per batch of one, or [] if it has no turn."""
+    from hpcsplit.runtime.bench import bench_settings
+
+    comm = ctx.comm
+    rank = comm.Get_rank()
+    samples: list[float] = []
+    turns = floor_turns(ctx, df, vname)
+    for turn in turns:
+        if turn == rank:
+            n = int(bench_settings(ctx.cfg)["floor_runs"])
+            args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1))
+            on_gpu = getattr(ctx.device, "type", "cpu") == "cuda"
+            with torch.inference_mode():
+                for i in range(n + 2):  # two untimed runs first, as the profile's warmup
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    if on_gpu:
+                        torch.cuda.synchronize(ctx.device)
+                    if i >= 2:
+                        samples.append((time.perf_counter() - t0) * 1e3)
+            _say(rank, f"{vname}: {name!r} batch of one, back to back: p50 {float(np.median(samples)):.2f} ms "
+                       f"({n} runs)")
+        _barrier(comm)
+    return samples
+
+
 def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry: Any) -> None:
     from hpcsplit.runtime.worker import _with_fault, serve_component
 
@@ -128,12 +177,15 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
             bs = df.batch_size_of(rank)
             dt = _check_component(ctx, df, name, fn, bs)
             _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {bs}, {dt * 1e3:.1f} ms)")
+        floor = _measure_floor(ctx, df, vname, name, fn)
         fn = _with_fault(fn, rt.get("fault"), name)
         _barrier(comm)
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), float(rt["max_wait_ms"]) / 1e3,
                              float(rt["request_timeout_s"]), tracer, ctx.device, float(rt["abort_grace_s"]),
                              float(rt["idle_sleep_ms"]) / 1e3)
         st["variant"] = vname
+        if floor:
+            st["floor_samples_ms"] = floor
         all_stats.append(st)
     tracer.write(ctx.run_dir)
     # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
@@ -237,6 +289,8 @@ def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str
         prev = fe
         fe = Frontend(comm, df, tracer, float(rt["idle_sleep_ms"]) / 1e3)
         fe.next_id = next_id
+        for _ in floor_turns(ctx, df, vname):  # the component ranks time their floor, in turn
+            _barrier(comm, prev.drop_strays if prev is not None else None)
         # every component rank has loaded and checked its callable (and sent the last variant's strays)
         _barrier(comm, prev.drop_strays if prev is not None else None)
         try:
@@ -256,17 +310,20 @@ def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str
     assert fe is not None
     summary["ranks"] = _collect_stats(ctx, fe)
     batch1: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (variant, component) -> (end, ms)
+    floor_now: dict[str, list[float]] = {}  # split component -> ms, [Note: floor re-measured]
     for st in summary["ranks"]:
         if st.get("wall_s"):
             st["cpu_pct_of_core"] = 100.0 * st["cpu_s"] / st["wall_s"]
         at, ms = st.pop("batch1_samples", ((), ()))
         batch1.setdefault((st.get("variant", ""), st["component"]), []).extend(zip(at, ms, strict=True))
+        if st.get("floor_samples_ms"):
+            floor_now[st["component"]] = list(st.pop("floor_samples_ms"))
     tracer.write(ctx.run_dir)
     _barrier(comm)
     if rt["mode"] == "bench":
         from hpcsplit.runtime.bench import finish
 
-        summary.update(finish(ctx, bench_results, batch1))
+        summary.update(finish(ctx, bench_results, batch1, floor_now))
     failed = summary["variants"].get("split", {}).get("failed", 0)
     if rt["mode"] == "batch" and failed:
         raise RequestTimeoutError(

@@ -279,7 +279,8 @@ def serve_component(
                 backoff.reset()
             else:
                 t_idle = time.perf_counter()
-                backoff.idle(t_idle, batcher.deadline(), bool(inbox.pending) or outbox.in_flight(t_idle))
+                backoff.idle(t_idle, batcher.deadline(), bool(inbox.pending) or outbox.in_flight(t_idle),
+                             quiet=not inbox.pending and not outbox.pending)
     wall = time.perf_counter() - t_start
     stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join),
                  batch1_samples=(b1_at, b1_ms))
@@ -384,6 +385,9 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
                           threads=choice)
     from hpcsplit.runtime.doorbell import start_doorbell
 
+    # MPICH's blocking collectives spin: meet at a sleeping barrier first, so the doorbell's collectives
+    # (and, at the end, its close and MPI_Finalize) do not spin while a slower rank loads or plots
+    session._barrier(comm)
     db = None
     if rt["doorbell"]:  # [Note: doorbell]
         db = start_doorbell(comm, rt["doorbell"] is True, rt["doorbell_network"])
@@ -394,6 +398,7 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
     else:
         session.run_component_rank(ctx, variants, entry)
         out = None
+    session._barrier(comm)
     if db is not None:  # collective, so only on success: a failing rank aborts the whole job instead
         db.close()
     return out

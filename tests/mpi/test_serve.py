@@ -188,7 +188,10 @@ def test_slow_component_times_out(tmp_path: Path, toy_sb: Path) -> None:
 
 
 def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> None:
-    n = _plan(clip_sb, tmp_path / "plan.json", batch=2)
+    from hpcsplit.switchboard import Switchboard
+
+    order = Switchboard.load(clip_sb).order
+    n = _plan(clip_sb, tmp_path / "plan.json", replicas={order[0]: 2}, batch=2)
     cfg = {"stage": "bench", "plan": str(tmp_path / "plan.json"), "switchboard": str(clip_sb),
            "runtime": {"verify": False},
            "bench": {"qps": [10, 40], "duration_s": 1.0, "warmup_s": 0, "arrival": "constant"}}
@@ -209,6 +212,12 @@ def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> N
         lvl = f["split/qps_10"]
         assert lvl["latency_ms"].shape == (10,) and lvl.attrs["n_ok"] == 10
         assert set(f) == {"whole", "split", "improvement"}
+    # the floor re-measured before the split levels: the first replica of each component, once
+    timed = [ln for ln in p.stderr.splitlines() if "batch of one, back to back" in ln]
+    assert len(timed) == len(order), timed
+    assert sum(f"'{order[0]}'" in ln for ln in timed) == 1
+    line = next(ln for ln in p.stdout.splitlines() if "re-measured on the ranks" in ln)
+    assert all(c in line for c in order) and "x the floor" in line
 
 
 @pytest.mark.slow

@@ -200,10 +200,11 @@ def test_invalid_values_are_listed_together() -> None:
     cfg["model"]["batch_size"] = 0
     cfg["cluster"]["cpu_threads"] = [0]
     cfg["bench"]["min_requests"] = -1
+    cfg["bench"]["floor_runs"] = 1.5
     with pytest.raises(ConfigError) as ei:
         validate(cfg)
     msg = str(ei.value)
-    assert "4 config problem(s)" in msg
+    assert "5 config problem(s)" in msg and "bench.floor_runs = 1.5" in msg
     assert "bench.qps" in msg and "model.batch_size = 0" in msg and "cluster.cpu_threads" in msg
     assert "bench.min_requests = -1" in msg
 

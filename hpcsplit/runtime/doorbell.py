@@ -17,7 +17,7 @@ message, then reads the flag.  Each side stores, then loads, and a CPU may let t
 fences between the two: ``MPI_Win_sync`` on the flags' window (a memory barrier in the unified memory
 model; the window stays in one ``Lock_all`` epoch for the run).  Then either the probe sees the message
 or the sender sees the flag, and a quiet rank of a one-node job can sleep long
-(``DOORBELL_DEEP_SLEEP_S`` in :mod:`~hpcsplit.runtime.mailbox`, 100 ms) without a message waiting that
+(``DOORBELL_QUIET_SLEEP_S`` in :mod:`~hpcsplit.runtime.mailbox`, 100 ms) without a message waiting that
 long.  A sleep still ends at its timeout, so anything that slipped through (a send MPICH queued
 locally because the receiver's queue was full, which only happens under load, when ranks are awake)
 costs at most one such sleep.
@@ -32,9 +32,10 @@ is sent, and says so if it does not arrive (a firewall, an address off the job n
 datagrams pile up unread, so a rank drains its UDP socket after raising its flag and before its probe: a
 stale byte would end the next sleep for nothing, and the probe sees every message whose ring the drain
 dropped -- unless the datagram overtook the MPI message, and then that sleep ends at its timeout, as
-without a doorbell.  UDP rings only ever shorten sleeps: a rank that any sender must ring over UDP
-keeps ``runtime.idle_sleep_ms`` as its longest sleep (only ranks of a one-node job sleep up to 100 ms),
-so a lost datagram costs what no doorbell costs.  ``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
+without a doorbell.  A rank that some sender must ring over UDP sleeps at most 20 ms when quiet
+(``DOORBELL_UDP_SLEEP_S``; a one-node job's quiet ranks: 100 ms) and ``runtime.idle_sleep_ms`` otherwise, and
+only if its own test ring arrived: a lost or overtaking datagram costs at most 20 ms once, and a rank
+rings cannot reach sleeps no longer than without a doorbell.  ``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
 counts) treats every other rank as remote: tests and ``bench cpu`` run this path on one node.
 """
 
@@ -166,10 +167,10 @@ class Doorbell:
         # how long a quiet rank may sleep (mailbox.Backoff): long when every sender rings through the fenced
         # flags; shorter when some ring over UDP (a datagram can be lost or overtake its message); None (the
         # plain backoff) when some sender cannot ring this rank at all
-        from hpcsplit.runtime.mailbox import DOORBELL_DEEP_SLEEP_S, DOORBELL_UDP_SLEEP_S
+        from hpcsplit.runtime.mailbox import DOORBELL_QUIET_SLEEP_S, DOORBELL_UDP_SLEEP_S
 
         if self.all_local:
-            self.quiet_sleep_s: float | None = DOORBELL_DEEP_SLEEP_S
+            self.quiet_sleep_s: float | None = DOORBELL_QUIET_SLEEP_S
         elif self.udp is not None and not self.note:
             self.quiet_sleep_s = DOORBELL_UDP_SLEEP_S
         else:

@@ -17,8 +17,10 @@ __all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell"
 
 IN_FLIGHT_SLEEP_S = 50e-6
 DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, no select)
-DOORBELL_DEEP_SLEEP_S = 100e-3  # quiet sleep when every rank of the job is on this node (all ring via flags)
+DOORBELL_DEEP_SLEEP_S = 10e-3  # deep backoff sleep when every rank of the job is on this node (all can ring)
+DOORBELL_QUIET_SLEEP_S = 100e-3  # quiet sleep when every rank of the job is on this node (all ring via flags)
 DOORBELL_UDP_SLEEP_S = 20e-3  # quiet sleep when some senders ring over UDP (and this rank got its test ring)
+QUIET_AFTER_S = 1e-3  # a quiet rank backs off as usual this long (a stream's next message is near), then sleeps
 
 _DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
 
@@ -68,9 +70,10 @@ class Backoff:
         ``IN_FLIGHT_SLEEP_S``: a deep sleep on either side would stall the copy.
 
         ``quiet``: nothing of this rank's is on the way (no receive posted, no send pending), so only a
-        new message can give it work.  When every sender can ring it, it then sleeps the doorbell's
-        ``quiet_sleep_s`` at once (``DOORBELL_DEEP_SLEEP_S``, 100 ms, when the whole job is on this node;
-        ``DOORBELL_UDP_SLEEP_S``, 20 ms, when some senders ring over UDP) instead of backing off from 20 us:
+        new message can give it work.  When every sender can ring it, after ``QUIET_AFTER_S`` of the usual
+        backoff (in a stream the next message is near, and a ring costs more than a short sleep) it sleeps
+        the doorbell's ``quiet_sleep_s`` (``DOORBELL_QUIET_SLEEP_S``, 100 ms, when the whole job is on this
+        node; ``DOORBELL_UDP_SLEEP_S``, 20 ms, when some senders ring over UDP) instead of backing off on:
         a backoff wakes a rank some 30 times in the 50 ms after every message, and on a node whose cores
         are all computing each wake-up takes a core from a component for a moment (the compute ranks
         of a 2-core VM were switched out 45 times per 150 ms batch; ``[Note: doorbell]``).
@@ -82,7 +85,7 @@ class Backoff:
             return
         db = _DOORBELL
         qs = db.quiet_sleep_s if db is not None else None
-        if quiet and not in_flight and qs:
+        if quiet and not in_flight and qs and idle_for >= QUIET_AFTER_S:
             s = qs if wake_at is None else min(qs, max(0.0, wake_at - now))
             if s >= DOORBELL_MIN_SLEEP_S:
                 if db.sleep(s, db.probe_header):

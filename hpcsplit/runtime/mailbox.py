@@ -162,10 +162,15 @@ class Outbox:
 
     Sends finish roughly in the order they started, so :meth:`reap` tests from the oldest and stops
     at the first unfinished one (a full sweep every 64 calls catches out-of-order completions).
+
+    A send that was still pending when added rings its destination again when it completes: MPICH may
+    hold a message back when the receiver's queue is full and deliver it later, from a progress call of
+    ours, so the ring at :meth:`add` may have come before the message could be seen; a rank that found
+    nothing after that ring may sleep until its timeout (``[Note: doorbell]``).
     """
 
     def __init__(self) -> None:
-        self.pending: deque[SendHandle] = deque()
+        self.pending: deque[tuple[SendHandle, int | None]] = deque()
         self._calls = 0
         self.t_last_add = 0.0
 
@@ -174,7 +179,7 @@ class Outbox:
         if dest is not None:
             ring(dest)
         if not h.test():
-            self.pending.append(h)
+            self.pending.append((h, dest))
             self.t_last_add = time.perf_counter()
 
     def in_flight(self, now: float, window_s: float = 0.02) -> bool:
@@ -184,18 +189,27 @@ class Outbox:
         """
         return bool(self.pending) and now - self.t_last_add < window_s
 
+    @staticmethod
+    def _open(item: tuple[SendHandle, int | None]) -> bool:
+        """Whether the send is still pending; when it has just completed, ring its destination."""
+        if not item[0].test():
+            return True
+        if item[1] is not None:
+            ring(item[1])
+        return False
+
     def reap(self) -> int:
         p = self.pending
-        while p and p[0].test():
+        while p and not self._open(p[0]):
             p.popleft()
         self._calls += 1
         if len(p) > 1 and self._calls % 64 == 0:
-            self.pending = p = deque(h for h in p if not h.test())
+            self.pending = p = deque(x for x in p if self._open(x))
         return len(p)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         def _all() -> bool:
-            self.pending = deque(h for h in self.pending if not h.test())
+            self.pending = deque(x for x in self.pending if self._open(x))
             return not self.pending
 
         return wait_polling(_all, timeout_s)

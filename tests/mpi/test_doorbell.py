@@ -105,6 +105,25 @@ elif rank == 0:
     ob.drain(10.0)
 else:
     comm.Barrier()
+# 6. a send still pending when added rings again when it completes (MPICH may deliver a held-back message
+#    later, after the first ring found nothing to wake for)
+comm.Barrier()
+if rank == 1:
+    time.sleep(0.3)  # no MPI calls: rank 0's large send stays pending through its add()
+    tp.recv_message(comm, source=0)
+    t0 = time.perf_counter()
+    out["rerung"] = db.sleep(5.0)  # no probe: only a ring ends it early
+    out["rerung_after_s"] = time.perf_counter() - t0
+elif rank == 0:
+    ob = mb.Outbox()
+    rings0 = db.rings
+    ob.add(tp.isend_message(comm, 1, tp.KIND_DATA, (11,), (), [(0, torch.ones(1 << 20))]), 1)
+    out["pending_after_add"] = len(ob.pending)
+    while not db.flags[1]:  # rank 1 has the message and sleeps again
+        time.sleep(1e-3)
+    time.sleep(0.02)
+    ob.drain(10.0)
+    out["rerings"] = db.rings - rings0
 ''' + TAIL
 
 
@@ -119,6 +138,9 @@ def test_sleeping_rank_is_woken_and_busy_rank_not_rung(tmp_path: Path) -> None:
     # (20 us doubling to 1 ms, then 2-10 ms)
     assert r1["quiet_idle_calls"] <= 16 and r1["backoff_idle_calls"] >= max(30, 3 * r1["quiet_idle_calls"]), r1
     assert r1["quiet_woken_at"] - r0["quiet_sent_at"] < 0.05  # rung, not the end of a 100 ms sleep
+    # a 4 MiB send pending at add() rang nobody then (rank 1 was awake) and rang once more on completion
+    assert r0["pending_after_add"] == 1 and r0["rerings"] == 1
+    assert r1["rerung"] is True and r1["rerung_after_s"] < 2.0
 
 
 REMOTE = r'''

@@ -126,17 +126,17 @@ def _bench(result: Mapping[str, Any] | None, run_dir: Path) -> list[str]:
             f"\nLow load: split p50 = {float(bench['low_load_vs_floor']):.2f} x the critical-path floor "
             f"({float(bench.get('critical_path_ms', math.nan)):.2f} ms) predicted by the profile."
         )
-        if bench.get("low_load_vs_floor_now"):
-            out.append(
-                f"Re-measured on the ranks just before the split levels, the floor is "
-                f"{float(bench.get('critical_path_now_ms', math.nan)):.2f} ms: split p50 = "
-                f"{float(bench['low_load_vs_floor_now']):.2f} x that floor (target <= 1.10 x)."
-            )
         b1 = bench.get("low_load_batch1_compute_ms")
         if isinstance(b1, Mapping) and b1:
             out.append("Compute of a batch of one at that load vs the profile (ms): " + ", ".join(
                 f"{c} {float(v['run_p50']):.1f} vs {float(v.get('profile_p50') or math.nan):.1f}"
                 for c, v in b1.items()) + ".")
+    if isinstance(bench, Mapping) and bench.get("low_load_vs_floor_now"):
+        out.append(
+            f"Re-measured on the ranks just before the split levels, the critical-path floor is "
+            f"{float(bench.get('critical_path_now_ms', math.nan)):.2f} ms: split p50 = "
+            f"{float(bench['low_load_vs_floor_now']):.2f} x that floor (target <= 1.10 x)."
+        )
     files = [p for p in ("bench/summary.csv", "bench/improvement.csv", "bench/requests.h5") if (run_dir / p).exists()]
     if files:
         out.append("\nFiles: " + ", ".join(f"[{p}]({p})" for p in files))

@@ -13,14 +13,18 @@ at once.  Busy ranks have their flag down, so the common case costs a sender one
 
 The flag and the message must not cross: the receiver raises its flag, then probes; the sender posts the
 message, then reads the flag.  Each side stores, then loads, and a CPU may let the load pass the store
-(x86 does), so both could miss -- no ring, and the sleeper wakes only at its timeout.  So each side
-fences between the two: ``MPI_Win_sync`` on the flags' window (a memory barrier in the unified memory
-model; the window stays in one ``Lock_all`` epoch for the run).  Then either the probe sees the message
-or the sender sees the flag, and a quiet rank of a one-node job can sleep long
-(``DOORBELL_QUIET_SLEEP_S`` in :mod:`~hpcsplit.runtime.mailbox`, 100 ms) without a message waiting that
-long.  A sleep still ends at its timeout, so anything that slipped through (a send MPICH queued
-locally because the receiver's queue was full, which only happens under load, when ranks are awake)
-costs at most one such sleep.
+(x86 and Arm do), so both could miss -- no ring, and the sleeper wakes only at its timeout.  So each
+side fences between the two.  ``MPI_Win_sync`` on the flags' window is the MPI way (the window stays in
+one ``Lock_all`` epoch for the run); MPICH makes it ``atomic_thread_fence(acq_rel)``, which is a full
+``dmb ish`` on Arm but no instruction at all on x86.  On x86 the full fence is the locked instruction of
+the GIL's mutex, which mpi4py releases and takes around every MPI call: the sleeper's probe and the
+sender's ``Isend`` both sit between its store and its load.  A free-threaded Python has no GIL, so there
+quiet sleeps stay at ``DOORBELL_DEEP_SLEEP_S`` (10 ms).  Then either the probe sees the message or the
+sender sees the flag, and a quiet rank of a one-node job can sleep long (``DOORBELL_QUIET_SLEEP_S`` in
+:mod:`~hpcsplit.runtime.mailbox`, 100 ms) without a message waiting that long.  A sleep still ends at
+its timeout, so anything that slipped through costs at most one such sleep.  One thing that could:
+MPICH holds a send back when the receiver's queue is full and delivers it from a later progress call
+of the sender's, after the ring; so ``Outbox`` rings again when a send that was still pending completes.
 
 Ranks on other nodes (``runtime.doorbell: true``; ``local`` rings node-local ranks only): their flags
 cannot be read, so every send to one is followed by a one-byte UDP datagram to its doorbell port
@@ -33,9 +37,10 @@ datagrams pile up unread, so a rank drains its UDP socket after raising its flag
 stale byte would end the next sleep for nothing, and the probe sees every message whose ring the drain
 dropped -- unless the datagram overtook the MPI message, and then that sleep ends at its timeout, as
 without a doorbell.  A rank that some sender must ring over UDP sleeps at most 20 ms when quiet
-(``DOORBELL_UDP_SLEEP_S``; a one-node job's quiet ranks: 100 ms) and ``runtime.idle_sleep_ms`` otherwise, and
-only if its own test ring arrived: a lost or overtaking datagram costs at most 20 ms once, and a rank
-rings cannot reach sleeps no longer than without a doorbell.  ``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
+(``DOORBELL_UDP_SLEEP_S``; a one-node job's quiet ranks: 100 ms), and only if its own test ring arrived
+and every rank on another node has a UDP socket to ring from; otherwise at most ``runtime.idle_sleep_ms``,
+as without a doorbell.  A lost or overtaking datagram costs at most 20 ms once.
+``HPCSPLIT_DOORBELL_ALL_REMOTE=1`` (rank 0's value
 counts) treats every other rank as remote: tests and ``bench cpu`` run this path on one node.
 """
 
@@ -50,6 +55,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,7 +146,7 @@ class Doorbell:
         self._local_index = {int(g): i for i, g in enumerate(local_globals)}
         self._me = self.node.Get_rank()
         self.win = MPI.Win.Allocate_shared(n_local if self._me == 0 else 0, 1, comm=self.node)
-        self.win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run: Win_sync is our fence
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run, for Win_sync (see the note)
         buf, _ = self.win.Shared_query(0)
         self.flags = np.frombuffer(buf, dtype=np.uint8, count=n_local)  # type: ignore[call-overload]
         if self._me == 0:
@@ -162,16 +168,22 @@ class Doorbell:
         self._remote: dict[int, tuple[str, int]] = {}  # global rank on another node -> its UDP address
         self.address = ""  # this rank's UDP address as published, "" if none
         self.note = ""  # what is wrong with remote rings on this rank, if anything
+        self._remote_all_ring = False  # every rank on another node has a UDP socket to ring from
         if not self.all_local:
             self._setup_remote(remote, network, check_s)
         # how long a quiet rank may sleep (mailbox.Backoff): long when every sender rings through the fenced
         # flags; shorter when some ring over UDP (a datagram can be lost or overtake its message); None (the
         # plain backoff) when some sender cannot ring this rank at all
-        from hpcsplit.runtime.mailbox import DOORBELL_QUIET_SLEEP_S, DOORBELL_UDP_SLEEP_S
+        from hpcsplit.runtime.mailbox import (
+            DOORBELL_DEEP_SLEEP_S,
+            DOORBELL_QUIET_SLEEP_S,
+            DOORBELL_UDP_SLEEP_S,
+        )
 
         if self.all_local:
-            self.quiet_sleep_s: float | None = DOORBELL_QUIET_SLEEP_S
-        elif self.udp is not None and not self.note:
+            gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+            self.quiet_sleep_s: float | None = DOORBELL_QUIET_SLEEP_S if gil else DOORBELL_DEEP_SLEEP_S
+        elif self.udp is not None and not self.note and self._remote_all_ring:
             self.quiet_sleep_s = DOORBELL_UDP_SLEEP_S
         else:
             self.quiet_sleep_s = None
@@ -204,6 +216,7 @@ class Doorbell:
         table = np.zeros((size, 3), dtype=np.int64)
         comm.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
         ringable = [r for r in range(size) if table[r, 1]]
+        self._remote_all_ring = all(table[r, 1] for r in range(size) if table[r, 2] != self._node_id)
         for r in ringable:
             if table[r, 2] != self._node_id:
                 self._remote[r] = (str(ipaddress.IPv4Address(int(table[r, 0]))), int(table[r, 1]))

@@ -204,7 +204,7 @@ class Frontend:
             else:
                 wake = t0 + arrivals[next_i] if next_i < n and len(inflight) < max_inflight else None
                 if inflight:  # the oldest request's deadline (a quiet sleep may last 100 ms)
-                    due = t0 + arrivals[next(iter(inflight))] + request_timeout_s
+                    due = max(t0 + arrivals[next(iter(inflight))] + request_timeout_s, t0 + next_scan)
                     wake = due if wake is None else min(wake, due)
                 t_idle = time.perf_counter()
                 backoff.idle(t_idle, wake, bool(self.inbox.pending) or self.outbox.in_flight(t_idle),

@@ -176,9 +176,10 @@ class Outbox:
 
     def add(self, h: SendHandle, dest: int | None = None) -> None:
         """Keep ``h`` until it completes; ``dest`` (its destination) is rung if it sleeps on this node."""
+        done = h.test()  # first: a message MPICH held back may go out in this call, before the ring
         if dest is not None:
             ring(dest)
-        if not h.test():
+        if not done:
             self.pending.append((h, dest))
             self.t_last_add = time.perf_counter()
 

@@ -25,6 +25,7 @@ from hpcsplit.runtime.trace import Tracer
 __all__ = ["Context", "read_inputs", "run_component_rank", "run_frontend", "write_outputs"]
 
 _TAG_STATS = 7201
+_FLOOR_WAIT_SLEEP_S = 0.02  # ranks waiting for another's floor timing wake at most 50 times a second
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +46,9 @@ def _say(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def _barrier(comm: Any, while_waiting: Any = None) -> None:
-    """A barrier that waits without spinning (``Ibarrier`` + backoff polling), calling ``while_waiting``."""
+def _barrier(comm: Any, while_waiting: Any = None, max_sleep_s: float = 1e-3) -> None:
+    """A barrier that waits without spinning (``Ibarrier`` + backoff polling to ``max_sleep_s``), calling
+    ``while_waiting``."""
     req = comm.Ibarrier()
 
     def _done() -> bool:
@@ -54,7 +56,7 @@ def _barrier(comm: Any, while_waiting: Any = None) -> None:
             while_waiting()
         return bool(req.Test())
 
-    tp.wait_polling(_done)
+    tp.wait_polling(_done, max_sleep_s=max_sleep_s)
 
 
 def _tracer(ctx: Context, label: str) -> Tracer:
@@ -123,7 +125,9 @@ def floor_turns(ctx: Context, df: Dataflow, vname: str) -> list[int]:
     next, which is as large as the target (within 10% of the floor).  So in bench mode, before the split
     levels, the first replica of every component runs ``bench.floor_runs`` batches of one back to back,
     one rank at a time (the others wait at a non-spinning barrier), as the profile times them; the bench
-    prints the floor from these beside the profile's.  Empty unless bench mode, the split variant and
+    prints the floor from these beside the profile's.  The waiting ranks poll their barrier at most every
+    20 ms rather than every 1 ms, so as not to take the core from the rank being timed.  Empty unless
+    bench mode, the split variant and
     ``bench.floor_runs`` > 0; every rank computes the same list.
     """
     from hpcsplit.runtime.bench import bench_settings
@@ -159,7 +163,7 @@ def _measure_floor(ctx: Context, df: Dataflow, vname: str, name: str, fn: Any) -
                         samples.append((time.perf_counter() - t0) * 1e3)
             _say(rank, f"{vname}: {name!r} batch of one, back to back: p50 {float(np.median(samples)):.2f} ms "
                        f"({n} runs)")
-        _barrier(comm)
+        _barrier(comm, max_sleep_s=_FLOOR_WAIT_SLEEP_S)
     return samples
 
 
@@ -290,7 +294,7 @@ def run_frontend(ctx: Context, variants: list[tuple[str, Dataflow]]) -> dict[str
         fe = Frontend(comm, df, tracer, float(rt["idle_sleep_ms"]) / 1e3)
         fe.next_id = next_id
         for _ in floor_turns(ctx, df, vname):  # the component ranks time their floor, in turn
-            _barrier(comm, prev.drop_strays if prev is not None else None)
+            _barrier(comm, prev.drop_strays if prev is not None else None, _FLOOR_WAIT_SLEEP_S)
         # every component rank has loaded and checked its callable (and sent the last variant's strays)
         _barrier(comm, prev.drop_strays if prev is not None else None)
         try:

@@ -53,6 +53,7 @@ __all__ = [
     "device_meta",
     "load_on_device",
     "measure_callable",
+    "time_latency_ms",
 ]
 
 GIB = 2**30
@@ -263,6 +264,22 @@ def measure_callable(
             (), peak, math.nan, math.nan, True, in_bytes, out_bytes, f"{type(e).__name__}: {e}"
         )
     return Measurement(tuple(lat), peak, util, busy, False, in_bytes, out_bytes)
+
+
+def time_latency_ms(fn: Callable[..., Any], inputs: Sequence[Any], *, warmup: int = 2, iters: int = 10,
+                    device: Any = "cpu") -> list[float]:
+    """Latencies (ms) of ``iters`` runs of ``fn(*inputs)`` after ``warmup`` untimed ones, timed as
+    :func:`measure_callable` times them (CUDA events on GPU), without its memory and utilization figures."""
+    import torch
+
+    dev = torch.device(device)
+    never = lambda: False
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn(*inputs)
+        if dev.type == "cuda":
+            return _time_cuda(fn, inputs, dev, iters, 0.0, 0.0, never)[0]
+        return _time_cpu(fn, inputs, iters, torch.get_num_threads(), never)[0]
 
 
 def _time_cpu(

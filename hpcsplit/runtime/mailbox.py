@@ -84,14 +84,9 @@ class Backoff:
         if idle_for < self.spin_s:
             return
         db = _DOORBELL
-        qs = db.quiet_sleep_s if db is not None else None
-        if quiet and not in_flight and qs and idle_for >= QUIET_AFTER_S:
-            s = qs if wake_at is None else min(qs, max(0.0, wake_at - now))
-            if s >= DOORBELL_MIN_SLEEP_S:
-                if db.sleep(s, db.probe_header):
-                    self.reset()
-                return
-        s = min(self._sleep, IN_FLIGHT_SLEEP_S) if in_flight else self._sleep
+        quiet_s = (db.quiet_sleep_s if quiet and not in_flight and db is not None and idle_for >= QUIET_AFTER_S
+                   else None)
+        s = quiet_s or (min(self._sleep, IN_FLIGHT_SLEEP_S) if in_flight else self._sleep)
         if wake_at is not None:
             s = min(s, max(0.0, wake_at - now))
         if s > 0:
@@ -103,6 +98,8 @@ class Backoff:
                     return
             else:
                 time.sleep(s)
+        if quiet_s:
+            return  # a quiet sleep leaves the backoff where it was
         deep = idle_for > self.deep_after_s
         ceiling = self.deep_sleep_s if deep else self.max_sleep_s
         if deep and _DOORBELL is not None and _DOORBELL.all_local:

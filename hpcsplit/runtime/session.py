@@ -150,17 +150,11 @@ def _measure_floor(ctx: Context, df: Dataflow, vname: str, name: str, fn: Any) -
     turns = floor_turns(ctx, df, vname)
     for turn in turns:
         if turn == rank:
+            from hpcsplit._profile_measure import time_latency_ms
+
             n = int(bench_settings(ctx.cfg)["floor_runs"])
             args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1))
-            on_gpu = getattr(ctx.device, "type", "cpu") == "cuda"
-            with torch.inference_mode():
-                for i in range(n + 2):  # two untimed runs first, as the profile's warmup
-                    t0 = time.perf_counter()
-                    fn(*args)
-                    if on_gpu:
-                        torch.cuda.synchronize(ctx.device)
-                    if i >= 2:
-                        samples.append((time.perf_counter() - t0) * 1e3)
+            samples = time_latency_ms(fn, args, warmup=2, iters=n, device=ctx.device)  # the profile's timer
             _say(rank, f"{vname}: {name!r} batch of one, back to back: p50 {float(np.median(samples)):.2f} ms "
                        f"({n} runs)")
         _barrier(comm, max_sleep_s=_FLOOR_WAIT_SLEEP_S)

@@ -67,6 +67,12 @@ def _decode_error(m: tp.Message) -> str:
     return f"rank {m.source} failed (no message)"
 
 
+def _warn_timeout(expired: list[int], base: int, request_timeout_s: float) -> None:
+    log.warning("requests %s exceeded runtime.request_timeout_s=%g s and are reported failed",
+                [int(base + i) for i in expired[:10]] + (["..."] if len(expired) > 10 else []),
+                request_timeout_s)
+
+
 class Frontend:
     """Rank 0's side of serving a :class:`Dataflow` (see the module docstring)."""
 
@@ -159,6 +165,7 @@ class Frontend:
                 if h.kind != tp.KIND_DATA:
                     continue
                 t_now = time.perf_counter()
+                late = []
                 for row, rid in enumerate(h.request_ids):
                     idx = rid - base
                     rec = inflight.get(idx)
@@ -171,13 +178,22 @@ class Frontend:
                     rec[3] = max(rec[3], h.aux)
                     if rec[2] <= 0:
                         del inflight[idx]
+                        resolved += 1
+                        if t_now - t0 - arrivals[idx] > request_timeout_s:
+                            # Finished, but past its deadline: collected late (this rank slept past the
+                            # timeout scan, or the output was already late).  Failed, as the scan would have.
+                            self.router.release(rec[0], failed=True)
+                            status[idx] = STATUS_TIMEOUT
+                            late.append(idx)
+                            continue
                         self.router.release(rec[0])
                         done_s[idx] = t_now - t0
                         path_ms[idx] = rec[3] / 1e3
                         status[idx] = STATUS_OK
-                        resolved += 1
                         if on_done is not None:
                             on_done(idx, rec[1])
+                if late:
+                    _warn_timeout(late, base, request_timeout_s)
                 self.tracer.span("recv_output", t_hdr, t_now, h.request_ids, src=m.source)
             self.outbox.reap()
             # ---- timeouts (oldest first), every 10 ms
@@ -196,9 +212,7 @@ class Frontend:
                     resolved += 1
                 if expired:
                     worked = True
-                    log.warning("requests %s exceeded runtime.request_timeout_s=%g s and are reported failed",
-                                [int(base + i) for i in expired[:10]] + (["..."] if len(expired) > 10 else []),
-                                request_timeout_s)
+                    _warn_timeout(expired, base, request_timeout_s)
             if worked:
                 backoff.reset()
             else:

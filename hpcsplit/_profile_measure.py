@@ -51,6 +51,7 @@ __all__ = [
     "call_previous_handler",
     "cores_here",
     "device_meta",
+    "full_fp32_on_gpu",
     "load_on_device",
     "measure_callable",
     "time_latency_ms",
@@ -153,8 +154,15 @@ class _NvmlSampler:
             props = torch.cuda.get_device_properties(torch_device_index)
             uuid = str(getattr(props, "uuid", "") or "")
             if uuid:
-                uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                # torch gives the bare UUID; NVML names a whole GPU "GPU-..." and a MIG instance "MIG-..."
+                for name in ((uuid,) if uuid.startswith(("GPU-", "MIG-")) else (f"GPU-{uuid}", f"MIG-{uuid}")):
+                    try:
+                        self._handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+                        break
+                    except pynvml.NVMLError:
+                        continue
+                if self._handle is None:
+                    raise LookupError(f"NVML knows no device with UUID {uuid}")
             else:
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch_device_index)
         except Exception:  # noqa: BLE001 - NVML missing or unsupported (MIG): utilization is NaN
@@ -336,12 +344,27 @@ def _time_cuda(
     return lat, act_peak, util, out
 
 
+def full_fp32_on_gpu() -> None:
+    """Keep float32 convolutions in float32 on CUDA (cuDNN's default is TF32; matmuls already are).
+
+    Profiling and serving both call it, so the profile times the kernels the plan serves, and served
+    outputs match the eager model within ``runtime.verify_atol``/``verify_rtol`` (TF32 keeps 10 mantissa
+    bits: errors of ~1e-3 that grow through the layers).
+    """
+    import torch
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def apply_slice(kind: str, slice_value: float, dev: Any) -> None:
     import torch
 
     if kind == "cuda":
-        total = torch.cuda.get_device_properties(dev).total_memory
-        frac = min(1.0, slice_value * GIB / total)
+        full_fp32_on_gpu()
+        from hpcsplit.cluster import slice_fraction
+
+        frac = slice_fraction(slice_value, torch.cuda.get_device_properties(dev).total_memory)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(frac, dev)
     else:
@@ -435,10 +458,22 @@ def load_on_device(sb: Any, name: str, dev: Any) -> tuple[Callable[..., Any], Ca
     import torch
 
     try:
-        if "device" in inspect.signature(sb.load_component).parameters:
-            return sb.load_component(name, device=dev), torch.cuda.empty_cache
+        by_device = "device" in inspect.signature(sb.load_component).parameters
     except (TypeError, ValueError):
-        pass
+        by_device = False
+    if by_device:
+        fn = sb.load_component(name, device=dev)
+
+        def unload() -> None:
+            # the switchboard caches the moved program: drop it, or its parameters stay on the GPU
+            # and count against the next component's slice cap
+            forget = getattr(sb, "unload", None)
+            if forget is not None:
+                forget(name, dev)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+        return fn, unload
     fn = sb.load_component(name)
     if isinstance(fn, torch.nn.Module):
         held = [fn]

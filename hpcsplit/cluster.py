@@ -20,9 +20,23 @@ from typing import Any
 
 from hpcsplit.errors import ConfigError
 
-__all__ = ["GIB", "ClusterSpec", "SlurmSpec", "machine_cores", "machine_mem_gb"]
+__all__ = ["GIB", "ClusterSpec", "SlurmSpec", "machine_cores", "machine_mem_gb", "slice_fraction"]
 
 GIB = 2**30
+
+
+def slice_fraction(slice_gb: float, total_bytes: int) -> float:
+    """The share of a GPU's memory that a slice of ``slice_gb`` GB is (GB = GiB everywhere in hpcsplit).
+
+    What ``torch.cuda.set_per_process_memory_fraction`` takes; profiling and serving both call it, so a
+    cell measured in a slice gets the same cap when served.
+
+    Examples
+    --------
+    >>> slice_fraction(10, 80 * GIB), slice_fraction(100, 80 * GIB)
+    (0.125, 1.0)
+    """
+    return min(1.0, float(slice_gb) * GIB / total_bytes)
 
 _TOP_KEYS = (
     "name",

@@ -180,6 +180,15 @@ class Switchboard:
             self._loaded[key] = run
         return self._loaded[key]
 
+    def unload(self, name: str, device: str | torch.device | None = None) -> bool:
+        """Forget the program :meth:`load_component` cached for ``name`` on ``device``.
+
+        The cache holds the program's parameters (on a GPU: device memory) for as long as the
+        switchboard lives; a caller that is done with a component drops them here.  Returns whether
+        one was cached.
+        """
+        return self._loaded.pop(f"{name}@{device}" if device is not None else name, None) is not None
+
     def load_whole(self, device: str | torch.device | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The unsplit model: flat inputs (model input order) -> flat outputs (model output order)."""
         ep = self._load_program(self.layout.whole.file, self.layout.whole, "whole-model program")

@@ -7,6 +7,7 @@ Component ranks: per variant, load their callable, check it, serve until STOP.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -168,13 +169,25 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
     rank = comm.Get_rank()
     tracer = _tracer(ctx, str(entry.component))
     all_stats = []
+    on_gpu = getattr(ctx.device, "type", "cpu") == "cuda"
     for vname, df in variants:
         name = df.rank_component[rank]
-        fn = _load_callable(ctx, vname, name)
-        if rt.get("verify", True):
-            bs = df.batch_size_of(rank)
-            dt = _check_component(ctx, df, name, fn, bs)
-            _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {bs}, {dt * 1e3:.1f} ms)")
+        try:
+            fn = _load_callable(ctx, vname, name)
+            if rt.get("verify", True):
+                bs = df.batch_size_of(rank)
+                dt = _check_component(ctx, df, name, fn, bs)
+                _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {bs}, {dt * 1e3:.1f} ms)")
+        except torch.OutOfMemoryError as e:
+            what = ("the unsplit model (the benchmark's baseline runs it on the split's ranks, each in that "
+                    "rank's slice)" if name == WHOLE else f"component {name!r}")
+            raise RuntimeStageError(
+                f"rank {rank}: {what} does not fit in this rank's GPU memory slice ({entry.slice_gb} GB) at "
+                f"batch {df.batch_size_of(rank)}: {str(e).splitlines()[0]}. Give the cluster larger "
+                "cluster.slices_gb and allocate again"
+                + (", or serve without the baseline (stage=serve)." if name == WHOLE else
+                   "; if the profile measured it in this slice, other processes hold memory on this GPU.")
+            ) from e
         floor = _measure_floor(ctx, df, vname, name, fn)
         fn = _with_fault(fn, rt.get("fault"), name)
         _barrier(comm)
@@ -185,6 +198,10 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
         if floor:
             st["floor_samples_ms"] = floor
         all_stats.append(st)
+        if on_gpu:  # the next variant's program gets this one's memory (the slice cap counts cached blocks)
+            del fn
+            gc.collect()
+            torch.cuda.empty_cache()
     tracer.write(ctx.run_dir)
     # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
     req = comm.isend(all_stats, dest=0, tag=_TAG_STATS)
@@ -225,6 +242,22 @@ def _run_rows(fe: Frontend, inputs: list[torch.Tensor], rt: dict[str, Any],
 
     return fe.run(np.zeros(n), get, done if out is not None else None,
                   float(rt["request_timeout_s"]), int(rt["max_inflight"]))
+
+
+def host_row(r: torch.Tensor, rdim: int) -> np.ndarray:
+    """One request's output (size 1 along ``rdim``) as the numpy array batch mode writes.
+
+    numpy has no bfloat16: those are written as float32, which holds every bfloat16 value exactly.
+
+    Examples
+    --------
+    >>> host_row(torch.ones(3, 1, dtype=torch.bfloat16), 1).dtype
+    dtype('float32')
+    """
+    row = r.movedim(rdim, 0)[0].cpu()
+    if row.dtype == torch.bfloat16:
+        row = row.float()
+    return row.numpy()
 
 
 def _check_end_to_end(ctx: Context, fe: Frontend, vname: str) -> dict[str, Any]:
@@ -403,7 +436,7 @@ def _batch_mode(ctx: Context, fe: Frontend) -> dict[str, Any]:
 
     def done(i: int, rows: list[torch.Tensor]) -> None:
         for j, r in enumerate(rows):
-            row = r.movedim(bdo[j][0], 0)[0].cpu().numpy()
+            row = host_row(r, bdo[j][0])
             if outs[j] is None:
                 outs[j] = np.zeros((n, *row.shape), dtype=row.dtype)
             outs[j][i] = row  # type: ignore[index]

@@ -210,6 +210,7 @@ def decode_header(a: np.ndarray) -> Header:
 
 # --------------------------------------------------------------------------- CUDA-aware detection
 _CUDA_AWARE: bool | None = None
+_YES, _NO = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off", ""})
 _CUDA_AWARE_WHY = ""
 
 
@@ -224,7 +225,14 @@ def cuda_aware_mpi() -> tuple[bool, str]:
         return _CUDA_AWARE, _CUDA_AWARE_WHY
     env = os.environ.get("HPCSPLIT_CUDA_AWARE_MPI")
     if env is not None:
-        _CUDA_AWARE, _CUDA_AWARE_WHY = env.strip() not in {"0", "", "false", "no"}, "HPCSPLIT_CUDA_AWARE_MPI"
+        word = env.strip().lower()
+        if word not in _YES | _NO:
+            raise RuntimeStageError(
+                f"HPCSPLIT_CUDA_AWARE_MPI={env!r} is neither on ({'/'.join(sorted(_YES))}) nor off "
+                f"({'/'.join(sorted(_NO))}); set it to 1 only if this MPI takes CUDA device buffers, or unset it "
+                "to ask the MPI library"
+            )
+        _CUDA_AWARE, _CUDA_AWARE_WHY = word in _YES, "HPCSPLIT_CUDA_AWARE_MPI"
         return _CUDA_AWARE, _CUDA_AWARE_WHY
     found: bool | None = None
     why = "no MPIX query in the MPI library"
@@ -525,6 +533,10 @@ def poll_message(comm: Any, device: torch.device | None = None, source: int | No
     hdr = decode_header(hdr_arr)
     source = st.Get_source()
     aware = cuda_aware_mpi()[0] if device is not None and device.type == "cuda" else False
+    if aware and hdr.tensors:
+        # MPI writes device memory outside stream order: the blocks torch.empty hands out must not
+        # still be in use by kernels queued on the stream
+        torch.cuda.current_stream(device).synchronize()
     reqs, tensors = [], []
     for meta in hdr.tensors:
         t, view = _alloc(meta, device, aware)

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcsplit import _mpi
+from hpcsplit._profile_measure import full_fp32_on_gpu
+from hpcsplit.cluster import slice_fraction
 from hpcsplit.errors import ConfigError, RuntimeStageError
 from hpcsplit.runtime.plan import Plan
 from hpcsplit.runtime.routing import OUTPUT, Dataflow, build_dataflow, whole_graph_of, whole_plan
@@ -134,8 +136,9 @@ def _bind_device(plan: Plan, entry: Any, rank: int) -> Any:
         )
     dev = torch.device("cuda", entry.gpu)
     torch.cuda.set_device(dev)
-    total = torch.cuda.get_device_properties(dev).total_memory
-    frac = min(1.0, float(entry.slice_gb) * 1e9 / total)
+    full_fp32_on_gpu()  # as the profile ran (and as the end-to-end check needs)
+    # the profile measured this cell under the same cap (GB = GiB, as everywhere in hpcsplit)
+    frac = slice_fraction(entry.slice_gb, torch.cuda.get_device_properties(dev).total_memory)
     torch.cuda.set_per_process_memory_fraction(frac, dev)
     return dev
 
@@ -217,6 +220,9 @@ def serve_component(
     stops_needed = set(df.upstream_ranks(name))
     stopping = False
     next_expire = t_start + 1.0
+    # CUDA kernels run asynchronously: the compute span ends when the stream is done, not when the
+    # launches return (the send would synchronise anyway, see transport._send_buffer)
+    cuda_sync = torch.cuda.current_stream(device).synchronize if getattr(device, "type", "") == "cuda" else None
     with torch.inference_mode():
         while True:
             worked = False
@@ -245,6 +251,8 @@ def serve_component(
                     inputs = [stack_rows([it.rows[k] for it in items]) for k in range(len(flow.inputs))]
                     t0 = time.perf_counter()
                     outs = _as_tuple(fn(*inputs))
+                    if cuda_sync is not None:
+                        cuda_sync()
                     t1 = time.perf_counter()
                 except Exception as e:  # noqa: BLE001 - reported to the frontend, then re-raised
                     msg = (f"rank {rank} component {name!r} failed on requests {ids[:16]}"

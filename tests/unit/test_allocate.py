@@ -13,7 +13,7 @@ from hpcsplit import _patterns_ref as R
 from hpcsplit._allocate_plan import plan_problems, plot_plan, validate_plan
 from hpcsplit.allocate import DEFAULTS, _options, allocate, build_instance, run_allocate
 from hpcsplit.bench.allocate import make_profile, synthetic_cluster, synthetic_profile
-from hpcsplit.cluster import GIB, ClusterSpec
+from hpcsplit.cluster import GIB, ClusterSpec, slice_fraction
 from hpcsplit.errors import AllocationError, AllocationInfeasibleError, ConfigError, PlanError
 
 GPU_SLICES = (10.0, 20.0)
@@ -411,3 +411,10 @@ def test_bench_runs_on_a_small_case(capsys):
     assert main(["--gpus", "4", "--components", "3", "--solvers", "HIGHS,NOSUCH"]) == 0
     out = capsys.readouterr().out
     assert "NOSUCH" in out and "    4     3  HIGHS" in out
+
+
+def test_slice_cap_is_the_same_gib_for_profile_and_serve() -> None:
+    # profiling (apply_slice) and serving (_bind_device) both cap a rank at this share of the GPU: a
+    # 40 GB slice of an 80 GiB H100 is half of it, not 40e9 bytes (a 7% smaller cap than was profiled)
+    assert slice_fraction(40, 80 * GIB) == 0.5
+    assert slice_fraction(141, 80 * GIB) == 1.0

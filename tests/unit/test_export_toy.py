@@ -78,6 +78,16 @@ def test_layout_records_specs_hashes_and_verification(sb: Switchboard) -> None:
     assert d["verification"]["max_abs_diff"] <= 1e-5
 
 
+def test_unload_drops_the_cached_program(sb: Switchboard) -> None:
+    fn = sb.load_component("left")
+    assert sb.load_component("left") is fn  # cached: loaded (and hash-checked) once
+    assert sb.unload("left") and not sb.unload("left")
+    again = sb.load_component("left")
+    assert again is not fn
+    x = sb.component_example_inputs(2)["left"]
+    assert all(torch.equal(a, b) for a, b in zip(fn(*x), again(*x), strict=True))
+
+
 def test_example_inputs_follow_the_batch(sb: Switchboard) -> None:
     ex = sb.component_example_inputs(7)
     assert list(ex) == TOY_ORDER
@@ -116,6 +126,20 @@ def test_run_export_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     json.dumps(summary)  # JSON-able
     printed = capsys.readouterr().out
     assert "mixer" in printed and "relu_1, relu_2 -> " in printed and "verified" in printed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profiler_release_gives_the_gpu_memory_back(sb: Switchboard) -> None:
+    from hpcsplit._profile_measure import load_on_device
+
+    dev = torch.device("cuda", 0)
+    base = torch.cuda.memory_allocated(dev)
+    fn, release = load_on_device(sb, "mixer", dev)
+    assert torch.cuda.memory_allocated(dev) > base  # its parameters
+    del fn
+    release()  # else they would count against the next component's slice cap
+    assert torch.cuda.memory_allocated(dev) == base
 
 
 @pytest.mark.gpu

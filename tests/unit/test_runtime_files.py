@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hpcsplit.errors import RuntimeStageError
-from hpcsplit.runtime.session import read_inputs, write_outputs
+from hpcsplit.runtime.session import host_row, read_inputs, write_outputs
 
 
 def test_read_npz_by_name_and_position(tmp_path: Path) -> None:
@@ -52,3 +52,15 @@ def test_write_outputs_with_done_mask(tmp_path: Path, suffix: str) -> None:
     assert set(data) == {"logits", "done", "latency_ms"}
     np.testing.assert_array_equal(data["done"], done)
     np.testing.assert_array_equal(data["logits"], out)
+
+
+def test_batch_rows_of_bfloat16_outputs_are_written_as_float32(tmp_path: Path) -> None:
+    import torch
+
+    out = torch.tensor([[0.5], [1.0078125], [-3.0]], dtype=torch.bfloat16)  # 3 values, requests in dim 1
+    rows = [host_row(out.T[:, [i]], 1) for i in range(3)]  # one request each, as the frontend hands them
+    assert all(r.dtype == np.float32 and r.shape == (1,) for r in rows)
+    np.testing.assert_array_equal(np.concatenate(rows), out.float().numpy().ravel())  # exact: no rounding
+    p = write_outputs(tmp_path / "o.npz", ("logits",), [np.stack(rows)], np.ones(3, bool), np.ones(3))
+    with np.load(p) as z:
+        assert z["logits"].dtype == np.float32

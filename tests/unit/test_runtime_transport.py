@@ -120,3 +120,19 @@ def test_cuda_tensors_stage_through_pinned_host_memory() -> None:
     assert torch.equal(msg.tensors[0].view(-1), t)
     aware_buf, _ = tp._send_buffer(t, cuda_aware=True)
     assert aware_buf[0] is not None
+
+
+@pytest.mark.parametrize(("value", "aware"), [("1", True), ("True", True), ("YES", True), ("on", True),
+                                             ("0", False), ("False", False), ("No", False), ("", False)])
+def test_cuda_aware_override_reads_any_case(monkeypatch: pytest.MonkeyPatch, value: str, aware: bool) -> None:
+    monkeypatch.setattr(tp, "_CUDA_AWARE", None)
+    monkeypatch.setenv("HPCSPLIT_CUDA_AWARE_MPI", value)
+    assert tp.cuda_aware_mpi() == (aware, "HPCSPLIT_CUDA_AWARE_MPI")
+
+
+def test_cuda_aware_override_refuses_other_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp, "_CUDA_AWARE", None)
+    monkeypatch.setenv("HPCSPLIT_CUDA_AWARE_MPI", "maybe")
+    with pytest.raises(RuntimeStageError, match="HPCSPLIT_CUDA_AWARE_MPI='maybe' is neither on"):
+        tp.cuda_aware_mpi()
+    assert tp._CUDA_AWARE is None  # nothing decided: the next call asks again

@@ -52,6 +52,7 @@ __all__ = [
     "cores_here",
     "device_meta",
     "full_fp32_on_gpu",
+    "is_oom",
     "load_on_device",
     "measure_callable",
     "time_latency_ms",
@@ -85,7 +86,8 @@ def _tensor_bytes(xs: Any) -> int:
     return int(sum(t.numel() * t.element_size() for t in tree_leaves(xs) if isinstance(t, torch.Tensor)))
 
 
-def _is_oom(e: BaseException) -> bool:
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` is running out of memory (torch's OOM, or a CUDA library's failed allocation)."""
     import torch
 
     if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)):
@@ -262,7 +264,7 @@ def measure_callable(
             out_bytes = _tensor_bytes(out)
             del out
     except Exception as e:
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         peak = math.nan
         gc.collect()
@@ -448,8 +450,9 @@ def load_on_device(sb: Any, name: str, dev: Any) -> tuple[Callable[..., Any], Ca
 
     On GPU: ``load_component(name, device=...)`` when the switchboard supports it, else the
     returned module's ``.to(dev)``, else the modules the callable closes over are moved in
-    place.  ``release()`` moves what we moved back to the CPU, so that the next component's
-    memory figures and slice cap do not include this one's parameters.
+    place.  ``release()`` frees this component's device copy (drops the switchboard's cached program,
+    or moves what we moved back to the CPU), so that the next component's memory figures and slice cap
+    do not include this one's parameters.
     """
     if getattr(dev, "type", "cpu") != "cuda":
         return sb.load_component(name), lambda: None

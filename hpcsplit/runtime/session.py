@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcsplit._profile_measure import is_oom
 from hpcsplit.errors import RequestTimeoutError, RuntimeStageError, VerificationError
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.frontend import STATUS_OK, Frontend
@@ -162,6 +163,33 @@ def _measure_floor(ctx: Context, df: Dataflow, vname: str, name: str, fn: Any) -
     return samples
 
 
+def load_variant(ctx: Context, df: Dataflow, vname: str, name: str, slice_gb: float | None) -> Any:
+    """This rank's program for one variant, checked on its example inputs (``runtime.verify``).
+
+    On a GPU, running out of memory in the rank's slice stops the job with the slice and the fix.
+    """
+    rank = ctx.comm.Get_rank()
+    try:
+        fn = _load_callable(ctx, vname, name)
+        if ctx.rt.get("verify", True):
+            bs = df.batch_size_of(rank)
+            dt = _check_component(ctx, df, name, fn, bs)
+            _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {bs}, {dt * 1e3:.1f} ms)")
+    except Exception as e:
+        if getattr(ctx.device, "type", "cpu") != "cuda" or not is_oom(e):
+            raise
+        what = ("the unsplit model (the benchmark's baseline runs it on the split's ranks, each in that "
+                "rank's slice)" if name == WHOLE else f"component {name!r}")
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise RuntimeStageError(
+            f"rank {rank}: {what} does not fit in this rank's GPU memory slice ({slice_gb} GB) at batch "
+            f"{df.batch_size_of(rank)}: {why}. Give the cluster larger cluster.slices_gb and allocate again"
+            + (", or serve without the baseline (stage=serve)." if name == WHOLE else
+               "; if the profile measured it in this slice, other processes hold memory on this GPU.")
+        ) from e
+    return fn
+
+
 def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry: Any) -> None:
     from hpcsplit.runtime.worker import _with_fault, serve_component
 
@@ -172,22 +200,7 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
     on_gpu = getattr(ctx.device, "type", "cpu") == "cuda"
     for vname, df in variants:
         name = df.rank_component[rank]
-        try:
-            fn = _load_callable(ctx, vname, name)
-            if rt.get("verify", True):
-                bs = df.batch_size_of(rank)
-                dt = _check_component(ctx, df, name, fn, bs)
-                _say(rank, f"{vname}: {name!r} runs on its example inputs (batch {bs}, {dt * 1e3:.1f} ms)")
-        except torch.OutOfMemoryError as e:
-            what = ("the unsplit model (the benchmark's baseline runs it on the split's ranks, each in that "
-                    "rank's slice)" if name == WHOLE else f"component {name!r}")
-            raise RuntimeStageError(
-                f"rank {rank}: {what} does not fit in this rank's GPU memory slice ({entry.slice_gb} GB) at "
-                f"batch {df.batch_size_of(rank)}: {str(e).splitlines()[0]}. Give the cluster larger "
-                "cluster.slices_gb and allocate again"
-                + (", or serve without the baseline (stage=serve)." if name == WHOLE else
-                   "; if the profile measured it in this slice, other processes hold memory on this GPU.")
-            ) from e
+        fn = load_variant(ctx, df, vname, name, entry.slice_gb)
         floor = _measure_floor(ctx, df, vname, name, fn)
         fn = _with_fault(fn, rt.get("fault"), name)
         _barrier(comm)
@@ -200,6 +213,9 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
         all_stats.append(st)
         if on_gpu:  # the next variant's program gets this one's memory (the slice cap counts cached blocks)
             del fn
+            unload = getattr(ctx.sb, "unload", None)
+            if name != WHOLE and unload is not None:
+                unload(name, ctx.device)  # load_component caches the program it moved to the GPU
             gc.collect()
             torch.cuda.empty_cache()
     tracer.write(ctx.run_dir)

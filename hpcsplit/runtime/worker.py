@@ -249,6 +249,8 @@ def serve_component(
                 ids = [it.request_id for it in items]
                 try:
                     inputs = [stack_rows([it.rows[k] for it in items]) for k in range(len(flow.inputs))]
+                    if cuda_sync is not None:
+                        cuda_sync()  # the inputs' copies and stacking are not this batch's compute
                     t0 = time.perf_counter()
                     outs = _as_tuple(fn(*inputs))
                     if cuda_sync is not None:

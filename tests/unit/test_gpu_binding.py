@@ -60,3 +60,31 @@ def test_gpu_plan_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeStageError, match="CUDA is not available here"):
         _bind_device(SimpleNamespace(device_kind="cuda"), _entry(0, 20), rank=1)
+
+
+class _TooBig:
+    """A switchboard whose programs do not fit: what loading onto a GPU slice raises when they do not."""
+
+    def load_component(self, name: str, device: Any = None) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(details)")
+
+    def load_whole(self, device: Any = None) -> Any:
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED: out of memory")
+
+
+def test_a_program_too_big_for_its_slice_names_the_slice_and_the_fix() -> None:
+    from hpcsplit.runtime.routing import WHOLE
+    from hpcsplit.runtime.session import load_variant
+
+    ctx = SimpleNamespace(comm=SimpleNamespace(Get_rank=lambda: 2), device=torch.device("cuda", 0), sb=_TooBig(),
+                          rt={"verify": True})
+    df = SimpleNamespace(batch_size_of=lambda rank: 8)
+    with pytest.raises(RuntimeStageError, match=r"rank 2: component 'vision' does not fit in this rank's GPU memory "
+                                                r"slice \(10 GB\) at batch 8: CUDA out of memory\. Tried to allocate "
+                                                r"2\.00 GiB\. Give the cluster larger cluster\.slices_gb"):
+        load_variant(ctx, df, "split", "vision", 10)
+    with pytest.raises(RuntimeStageError, match=r"the unsplit model .* or serve without the baseline"):
+        load_variant(ctx, df, "whole", WHOLE, 10)
+    ctx.device = torch.device("cpu")  # on the CPU it is not about slices: the error passes as it is
+    with pytest.raises(torch.OutOfMemoryError):
+        load_variant(ctx, df, "split", "vision", 10)

@@ -126,12 +126,14 @@ def test_cuda_tensors_stage_through_pinned_host_memory() -> None:
                                              ("0", False), ("False", False), ("No", False), ("", False)])
 def test_cuda_aware_override_reads_any_case(monkeypatch: pytest.MonkeyPatch, value: str, aware: bool) -> None:
     monkeypatch.setattr(tp, "_CUDA_AWARE", None)
+    monkeypatch.setattr(tp, "_CUDA_AWARE_WHY", "")
     monkeypatch.setenv("HPCSPLIT_CUDA_AWARE_MPI", value)
     assert tp.cuda_aware_mpi() == (aware, "HPCSPLIT_CUDA_AWARE_MPI")
 
 
 def test_cuda_aware_override_refuses_other_words(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tp, "_CUDA_AWARE", None)
+    monkeypatch.setattr(tp, "_CUDA_AWARE_WHY", "")
     monkeypatch.setenv("HPCSPLIT_CUDA_AWARE_MPI", "maybe")
     with pytest.raises(RuntimeStageError, match="HPCSPLIT_CUDA_AWARE_MPI='maybe' is neither on"):
         tp.cuda_aware_mpi()

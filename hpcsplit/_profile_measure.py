@@ -40,6 +40,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from hpcsplit.cluster import GIB, slice_fraction
 from hpcsplit.errors import ProfileError
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "call_previous_handler",
     "cores_here",
     "device_meta",
+    "free_device_copy",
     "full_fp32_on_gpu",
     "is_oom",
     "load_on_device",
@@ -58,7 +60,6 @@ __all__ = [
     "time_latency_ms",
 ]
 
-GIB = 2**30
 
 
 class CellAbandoned(Exception):
@@ -364,8 +365,6 @@ def apply_slice(kind: str, slice_value: float, dev: Any) -> None:
 
     if kind == "cuda":
         full_fp32_on_gpu()
-        from hpcsplit.cluster import slice_fraction
-
         frac = slice_fraction(slice_value, torch.cuda.get_device_properties(dev).total_memory)
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(frac, dev)
@@ -445,6 +444,21 @@ def _cpu_name() -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
+def free_device_copy(sb: Any, name: str, dev: Any) -> None:
+    """Give back the GPU memory of ``name``'s program on ``dev`` once the caller has dropped it.
+
+    A switchboard caches the programs it moved to a device (:meth:`~hpcsplit.switchboard.Switchboard.unload`
+    drops one); without this the parameters stay on the GPU and count against the next program's slice cap.
+    """
+    import torch
+
+    forget = getattr(sb, "unload", None)
+    if forget is not None:
+        forget(name, dev)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def load_on_device(sb: Any, name: str, dev: Any) -> tuple[Callable[..., Any], Callable[[], None]]:
     """``sb.load_component(name)`` on ``dev``; returns ``(fn, release)``.
 
@@ -465,18 +479,7 @@ def load_on_device(sb: Any, name: str, dev: Any) -> tuple[Callable[..., Any], Ca
     except (TypeError, ValueError):
         by_device = False
     if by_device:
-        fn = sb.load_component(name, device=dev)
-
-        def unload() -> None:
-            # the switchboard caches the moved program: drop it, or its parameters stay on the GPU
-            # and count against the next component's slice cap
-            forget = getattr(sb, "unload", None)
-            if forget is not None:
-                forget(name, dev)
-            gc.collect()
-            torch.cuda.empty_cache()
-
-        return fn, unload
+        return sb.load_component(name, device=dev), lambda: free_device_copy(sb, name, dev)
     fn = sb.load_component(name)
     if isinstance(fn, torch.nn.Module):
         held = [fn]

@@ -161,7 +161,7 @@ class Switchboard:
         """
         if name not in self.components:
             raise SwitchboardError(f"found no component {name!r}; components: {list(self.components)}")
-        key = f"{name}@{device}" if device is not None else name
+        key = self._cache_key(name, device)
         if key not in self._loaded:
             spec = self.components[name]
             ep = self._load_program(spec.program, spec, f"program of component {name!r}")
@@ -187,7 +187,11 @@ class Switchboard:
         switchboard lives; a caller that is done with a component drops them here.  Returns whether
         one was cached.
         """
-        return self._loaded.pop(f"{name}@{device}" if device is not None else name, None) is not None
+        return self._loaded.pop(self._cache_key(name, device), None) is not None
+
+    @staticmethod
+    def _cache_key(name: str, device: str | torch.device | None) -> str:
+        return f"{name}@{device}" if device is not None else name
 
     def load_whole(self, device: str | torch.device | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The unsplit model: flat inputs (model input order) -> flat outputs (model output order)."""

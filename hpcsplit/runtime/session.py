@@ -7,7 +7,6 @@ Component ranks: per variant, load their callable, check it, serve until STOP.
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcsplit._profile_measure import is_oom
+from hpcsplit._profile_measure import free_device_copy, is_oom, time_latency_ms
 from hpcsplit.errors import RequestTimeoutError, RuntimeStageError, VerificationError
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.frontend import STATUS_OK, Frontend
@@ -152,8 +151,6 @@ def _measure_floor(ctx: Context, df: Dataflow, vname: str, name: str, fn: Any) -
     turns = floor_turns(ctx, df, vname)
     for turn in turns:
         if turn == rank:
-            from hpcsplit._profile_measure import time_latency_ms
-
             n = int(bench_settings(ctx.cfg)["floor_runs"])
             args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1))
             samples = time_latency_ms(fn, args, warmup=2, iters=n, device=ctx.device)  # the profile's timer
@@ -213,11 +210,7 @@ def run_component_rank(ctx: Context, variants: list[tuple[str, Dataflow]], entry
         all_stats.append(st)
         if on_gpu:  # the next variant's program gets this one's memory (the slice cap counts cached blocks)
             del fn
-            unload = getattr(ctx.sb, "unload", None)
-            if name != WHOLE and unload is not None:
-                unload(name, ctx.device)  # load_component caches the program it moved to the GPU
-            gc.collect()
-            torch.cuda.empty_cache()
+            free_device_copy(ctx.sb, name, ctx.device)
     tracer.write(ctx.run_dir)
     # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
     req = comm.isend(all_stats, dest=0, tag=_TAG_STATS)

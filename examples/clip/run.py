@@ -8,7 +8,7 @@ import time
 import torch
 
 import hpcsplit
-from hpcsplit.models import build_clip, example_inputs
+from hpcsplit.switchboard.models import build_clip, example_inputs
 
 
 def main() -> None:

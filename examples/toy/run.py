@@ -7,7 +7,7 @@ import argparse
 import torch
 
 import hpcsplit
-from hpcsplit.models import build_toy, example_inputs
+from hpcsplit.switchboard.models import build_toy, example_inputs
 
 
 def main() -> None:

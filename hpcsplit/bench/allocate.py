@@ -1,8 +1,9 @@
 """``python -m hpcsplit.bench allocate``: allocator solve time and objective vs cluster size.
 
-Synthetic profiles with realistic shapes (latency grows sub-linearly with batch, utilization
-0.1-0.6 rising with batch, memory = parameters + activations x batch, out-of-memory where it
-does not fit) on GPUs with 5 slice sizes, the utilization limit enforced per GPU.  Prints, per
+Synthetic profiles with realistic shapes (:mod:`hpcsplit.allocation.synthetic`: latency grows
+sub-linearly with batch, utilization 0.1-0.6 rising with batch, memory = parameters + activations x
+batch, out-of-memory where it does not fit) on GPUs with 5 slice sizes, the utilization limit
+enforced per GPU.  Prints, per
 (GPUs, components, solver): solve time, the leximin minimum, the gap to the LP bound, patterns.
 
 ``agg/min``: the max-min of the aggregated model (utilization and slices summed over the cluster)
@@ -14,143 +15,29 @@ Options: ``--gpus 4,16,64,256 --components 3,8,12 --solvers HIGHS,SCIPY,SCIP --t
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from typing import Any
 
 import numpy as np
 
-from hpcsplit.cluster import GIB, ClusterSpec
+from hpcsplit.allocation.options import build_instance, option_table
+from hpcsplit.allocation.settings import AllocateSettings
+from hpcsplit.allocation.solve import allocate
+from hpcsplit.allocation.synthetic import synthetic_cluster, synthetic_profile
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.profile_format import Profile
 
-__all__ = ["main", "make_profile", "synthetic_cluster", "synthetic_profile"]
-
-
-def make_profile(
-    components: dict[str, dict[str, Any]],
-    *,
-    batch_sizes: tuple[int, ...],
-    slices: tuple[float, ...],
-    device_kind: str = "cuda",
-    model: str = "synthetic",
-    cores_per_node: int = 64,
-) -> Any:
-    """A :class:`~hpcsplit.profile_io.Profile` in memory from per-component 2-D arrays.
-
-    Each component dict has ``latency_ms`` ([n_batch, n_slice], NaN = out of memory),
-    ``peak_mem_bytes`` and ``utilization`` (same shape), optional ``param_bytes``.
-    """
-    from hpcsplit.profile_io import ComponentProfile, Profile, ProfileMeta
-
-    comps = {}
-    for name, d in components.items():
-        lat = np.asarray(d["latency_ms"], float)
-        oom = np.isnan(lat)
-        comps[name] = ComponentProfile(
-            name=name,
-            batch_sizes=tuple(batch_sizes),
-            slices=tuple(float(s) for s in slices),
-            latency_ms=np.repeat(lat[:, :, None], 3, axis=2),
-            peak_mem_bytes=np.where(oom, np.nan, np.asarray(d["peak_mem_bytes"], float)),
-            utilization=np.where(oom, np.nan, np.asarray(d["utilization"], float)),
-            oom=oom,
-            measured=np.ones_like(oom, bool),
-            param_bytes=int(d.get("param_bytes", 0)),
-            input_bytes_per_sample=4,
-            output_bytes_per_sample=4,
-        )
-    gpu = device_kind == "cuda"
-    meta = ProfileMeta(
-        schema_version=1,
-        hpcsplit_version="0",
-        switchboard_sha256="0" * 64,
-        model=model,
-        host="synthetic",
-        device_kind=device_kind,
-        device_name="synthetic",
-        device_mem_bytes=int(80 * GIB) if gpu else 0,
-        driver_version="",
-        torch_version="",
-        cuda_version="",
-        created_utc="",
-        slice_unit="gb" if gpu else "threads",
-        slice_semantics="synthetic",
-        latency_timer="synthetic",
-        peak_mem_method="synthetic",
-        utilization_method="synthetic",
-        cores_per_node=cores_per_node,
-        warmup=0,
-        iters=3,
-        mig_device="",
-        mps_active_thread_percentage="",
-        mps_pinned_device_mem_limit="",
-        component_order=tuple(components),
-        complete=True,
-    )
-    return Profile(meta=meta, components=comps)
+__all__ = ["aggregated_min", "main"]
 
 
-def synthetic_profile(
-    n_components: int,
-    *,
-    slices: tuple[float, ...] = (5, 10, 20, 40, 80),
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-    seed: int = 0,
-) -> Any:
-    """Realistic-looking GPU profile of ``n_components`` components (deterministic per seed)."""
-    rng = np.random.default_rng(seed)
-    comps = {}
-    b = np.array(batch_sizes, float)[:, None]
-    s = np.array(slices, float)[None, :]
-    for c in range(n_components):
-        l0 = rng.uniform(1.0, 12.0)  # ms at batch 1
-        alpha = rng.uniform(0.45, 0.85)  # latency ~ b^alpha
-        u0 = rng.uniform(0.1, 0.45)
-        params = rng.uniform(0.3, 6.0) * GIB
-        act = rng.uniform(0.02, 0.4) * GIB
-        lat = l0 * b**alpha * (1 + 0.3 / s) * np.ones_like(s)
-        util = np.minimum(0.6, u0 * (1 + 0.12 * np.log2(b))) * np.ones_like(s)
-        mem = (params + act * b) * np.ones_like(s)
-        lat = np.where(mem > s * GIB, np.nan, lat)
-        comps[f"c{c:02d}"] = {
-            "latency_ms": lat,
-            "peak_mem_bytes": mem,
-            "utilization": util,
-            "param_bytes": params,
-        }
-    return make_profile(comps, batch_sizes=batch_sizes, slices=slices, model=f"synthetic{n_components}")
-
-
-def synthetic_cluster(
-    n_gpus: int,
-    *,
-    gpus_per_node: int = 4,
-    gpu_mem_gb: float = 80,
-    slices: tuple[float, ...] = (5, 10, 20, 40, 80),
-    cores_per_node: int = 64,
-) -> ClusterSpec:
-    return ClusterSpec.from_config(
-        {
-            "name": f"synthetic{n_gpus}",
-            "nodes": max(1, math.ceil(n_gpus / gpus_per_node)),
-            "gpus_per_node": min(gpus_per_node, n_gpus),
-            "gpu_mem_gb": gpu_mem_gb,
-            "slices_gb": list(slices),
-            "cores_per_node": cores_per_node,
-            "mem_gb_per_node": 512,
-            "cpu_threads": [1, 2, 4],
-        }
-    )
-
-
-def aggregated_min(prof: Any, cluster: ClusterSpec) -> float:
+def aggregated_min(prof: Profile, cluster: ClusterSpec) -> float:
     """Max-min throughput of the *aggregated* model (replica counts per option over the whole
     cluster, slices and utilization summed over all GPUs): an upper bound that may not fit GPUs."""
     from scipy.optimize import LinearConstraint, milp
 
-    from hpcsplit.allocate import DEFAULTS, _options, build_instance
-
-    table = _options(prof.components, cluster, dict(DEFAULTS))
-    inst, _ = build_instance(table, cluster, dict.fromkeys(table, 1.0))
+    settings = AllocateSettings.defaults()
+    table = option_table(prof.components, cluster, settings)
+    inst, _ = build_instance(table, cluster, dict.fromkeys(table, 1.0), settings)
     kind = inst.kinds[0]
     n, g = len(kind.items), kind.count
     rows = [
@@ -176,8 +63,6 @@ def aggregated_min(prof: Any, cluster: ClusterSpec) -> float:
 
 def main(argv: list[str]) -> int:
     import cvxpy as cp
-
-    from hpcsplit.allocate import allocate
 
     ap = argparse.ArgumentParser(
         prog="python -m hpcsplit.bench allocate", description=__doc__.splitlines()[0]

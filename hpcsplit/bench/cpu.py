@@ -27,12 +27,23 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
+from hpcsplit.core.mpi import MPI, get_comm
+from hpcsplit.core.plan import Plan, RankEntry
+from hpcsplit.launch.local import find_mpiexec
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.component import serve_component
+from hpcsplit.runtime.doorbell import start_doorbell
+from hpcsplit.runtime.frontend import Frontend
+from hpcsplit.runtime.routing import GraphSpec, build_dataflow
+from hpcsplit.runtime.threads import cpu_seconds
+
 _RESULT = "HPCSPLIT_BENCH_RESULT "
 
 
-def _graph_chain(names: list[str]) -> Any:
-    from hpcsplit.runtime.routing import GraphSpec
-
+def _graph_chain(names: list[str]) -> GraphSpec:
     comps = tuple((n, ("x",), ("x",)) for n in names)
     edges = [("input", "x", names[0], "x")]
     edges += [(a, "x", b, "x") for a, b in itertools.pairwise(names)]
@@ -40,9 +51,7 @@ def _graph_chain(names: list[str]) -> Any:
     return GraphSpec(("x",), ("x",), comps, tuple(edges))
 
 
-def _plan(names: list[str], batch: int, threads: int) -> Any:
-    from hpcsplit.runtime.plan import Plan, RankEntry
-
+def _plan(names: list[str], batch: int, threads: int) -> Plan:
     ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
     for n in names:
         ranks.append(RankEntry(len(ranks), "component", 0, None, None, threads, n, batch, 0))
@@ -51,23 +60,12 @@ def _plan(names: list[str], batch: int, threads: int) -> Any:
 
 def _child(args: argparse.Namespace) -> int:
     """One scenario on MPI ranks (rank 0 prints the result line)."""
-    from hpcsplit._mpi import MPI, get_comm
-
     comm = get_comm()
     rank = comm.Get_rank()
     names = ["a", "b"]
     if comm.Get_size() != len(names) + 1:
         print(f"cpu bench child needs {len(names) + 1} ranks", file=sys.stderr)
         return 2
-    import numpy as np
-    import torch
-
-    from hpcsplit.runtime import transport as tp
-    from hpcsplit.runtime.frontend import Frontend
-    from hpcsplit.runtime.routing import build_dataflow
-    from hpcsplit.runtime.threads import cpu_seconds
-    from hpcsplit.runtime.worker import serve_component
-
     scn = args.child
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
@@ -84,8 +82,6 @@ def _child(args: argparse.Namespace) -> int:
             comm.Recv([np.zeros(1), MPI.DOUBLE], source=0, tag=5)
             comm.send({"cpu_pct": 100 * (cpu_seconds() - c0) / (time.perf_counter() - t0)}, dest=0, tag=6)
         return 0
-    from hpcsplit.runtime.doorbell import start_doorbell
-
     # as the runtime does (runtime.doorbell)
     db = start_doorbell(comm) if os.environ.get("HPCSPLIT_DOORBELL", "1") != "0" else None
 
@@ -168,11 +164,6 @@ def _cold_after_sleep(sleeps_s: tuple[float, ...] = (0.0, 1e-3, 1e-2, 5e-2), n: 
     Sleeping ranks wake with cold caches and TLBs (on a VM the host runs others on the core meanwhile),
     so every hop to a sleeping rank pays this on top of the wake-up itself; a spinning rank would not.
     """
-    import numpy as np
-    import torch
-
-    from hpcsplit.runtime import transport as tp
-
     meta = (tp.TensorMeta(0, torch.float32, (1, 16)),)
     out = {}
     for s in sleeps_s:
@@ -201,8 +192,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from hpcsplit.launch import find_mpiexec
-
     args.mpiexec = find_mpiexec(args.mpiexec)
     if args.child:
         return _child(args)

@@ -14,7 +14,7 @@ import time
 
 import networkx as nx
 
-from hpcsplit.partition import find_regions, partition
+from hpcsplit.switchboard.regions import find_regions, partition
 
 __all__ = ["main", "synthetic_graph"]
 

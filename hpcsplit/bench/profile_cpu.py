@@ -17,6 +17,13 @@ import os
 import time
 from pathlib import Path
 
+from hpcsplit.core.profile_format import read_profile
+from hpcsplit.core.settings import group_defaults
+from hpcsplit.profiling.analyze import analyze_file
+from hpcsplit.profiling.runner import default_batch_sizes, profile_components
+from hpcsplit.switchboard.stage import model_settings
+from hpcsplit.switchboard.writer import export
+
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcsplit.bench profile_cpu")
@@ -28,11 +35,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="bench-profile-cpu")
     ap.add_argument("--switchboard", default=None)
     a = ap.parse_args(argv)
-
-    from hpcsplit.analyze import analyze_file
-    from hpcsplit.profile_io import read_profile
-    from hpcsplit.profiling import default_batch_sizes, profile_components
-
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     print(
@@ -43,10 +45,9 @@ def main(argv: list[str]) -> int:
         sb_dir = Path(a.switchboard)
         t_export = 0.0
     else:
-        from hpcsplit.models import build_model
-        from hpcsplit.switchboard import export
-
-        model, args, kwargs = build_model({"name": a.model, "batch_size": 2})
+        # conf/model/<name>.yaml at its example batch; seed 0 (the YAML's ${seed} default)
+        ms = model_settings({"model": {**group_defaults("model", a.model), "seed": 0, "batch_size": 2}})
+        model, args, kwargs = ms.build()
         sb_dir = out / f"switchboard-{a.model}"
         export(model, args, kwargs, out=sb_dir, name=a.model)
         t_export = time.perf_counter() - t0

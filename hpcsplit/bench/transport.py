@@ -28,6 +28,15 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import torch
+
+from hpcsplit.core.mpi import MPI, get_comm, mpi_library_version
+from hpcsplit.launch.local import find_mpiexec
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.mailbox import Inbox
+from hpcsplit.runtime.transport import cuda_aware_mpi
+
 _BLOCK = 4  # round trips (or windows) per method in a row; the first is not counted
 _SIZES = ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]
 
@@ -71,19 +80,13 @@ def _rounds(comm, rank: int, iters: int, methods: tuple[str, ...], one) -> dict[
     return times
 
 
-def _setup(nbytes: int):
-    import numpy as np
-    import torch
-
-    from hpcsplit._mpi import MPI
-    from hpcsplit.runtime import transport as tp
-
-    return np, torch, MPI, tp, torch.randn(nbytes // 4)
+def _tensor(nbytes: int) -> torch.Tensor:
+    return torch.randn(nbytes // 4)
 
 
 def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]) -> dict[str, list[float]]:
     """Seconds per one-way transfer per method (round trip / 2), one sample per round trip."""
-    np, torch, MPI, tp, t = _setup(nbytes)
+    t = _tensor(nbytes)
     raw_buf = np.empty(nbytes // 4, dtype=np.float32)
     peer = 1 - rank
     # "bare": our wire protocol (an int64 header, then the payload) in a few lines of mpi4py, into one
@@ -141,9 +144,7 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]
 
 def _stream(comm, rank: int, nbytes: int, windows: int, methods: tuple[str, ...]) -> dict[str, list[float]]:
     """Seconds per window of ``_window(nbytes)`` messages rank 0 -> rank 1 (ack included)."""
-    np, _torch, MPI, tp, t = _setup(nbytes)
-    from hpcsplit.runtime.mailbox import Inbox
-
+    t = _tensor(nbytes)
     w = _window(nbytes)
     raw_buf = np.empty(nbytes // 4, dtype=np.float32)
     raw_bufs = [np.empty(nbytes // 4, dtype=np.float32) for _ in range(w)] if rank == 1 and "rawW" in methods else []
@@ -186,16 +187,12 @@ def _best_med(v: list[float]) -> tuple[float, float]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpcsplit._mpi import get_comm, mpi_library_version
-
     comm = get_comm()
     rank = comm.Get_rank()
     if comm.Get_size() != 2:
         if rank == 0:
             print(f"transport benchmark needs exactly 2 ranks, has {comm.Get_size()}", file=sys.stderr)
         return 2
-    from hpcsplit.runtime.transport import cuda_aware_mpi
-
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     lat, bw = [], []
     for nbytes in sizes:
@@ -273,8 +270,6 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     in_mpi = any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE"))
     if not in_mpi:
-        from hpcsplit.launch import find_mpiexec
-
         cmd = [find_mpiexec(args.mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "hpcsplit.bench",
                "transport", "--iters", str(args.iters), "--sizes", args.sizes]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -62,6 +62,11 @@ from typing import Any
 
 import numpy as np
 
+from hpcsplit.core.mpi import MPI
+from hpcsplit.runtime import mailbox
+from hpcsplit.runtime.mailbox import DOORBELL_DEEP_SLEEP_S, DOORBELL_QUIET_SLEEP_S, DOORBELL_UDP_SLEEP_S
+from hpcsplit.runtime.transport import TAG_HEADER
+
 __all__ = ["Doorbell", "node_address", "start_doorbell"]
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -128,8 +133,6 @@ class Doorbell:
     """
 
     def __init__(self, comm: Any, remote: bool = True, network: str | None = None, check_s: float = 1.0) -> None:
-        from hpcsplit._mpi import MPI
-
         self._mpi = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -174,12 +177,6 @@ class Doorbell:
         # how long a quiet rank may sleep (mailbox.Backoff): long when every sender rings through the fenced
         # flags; shorter when some ring over UDP (a datagram can be lost or overtake its message); None (the
         # plain backoff) when some sender cannot ring this rank at all
-        from hpcsplit.runtime.mailbox import (
-            DOORBELL_DEEP_SLEEP_S,
-            DOORBELL_QUIET_SLEEP_S,
-            DOORBELL_UDP_SLEEP_S,
-        )
-
         if self.all_local:
             gil = getattr(sys, "_is_gil_enabled", lambda: True)()
             self.quiet_sleep_s: float | None = DOORBELL_QUIET_SLEEP_S if gil else DOORBELL_DEEP_SLEEP_S
@@ -301,16 +298,12 @@ class Doorbell:
         Probes twice: MPICH's first probe may only move the waiting message into its queues
         (``[Note: probing past misses]`` in :mod:`~hpcsplit.runtime.mailbox`).
         """
-        from hpcsplit.runtime.transport import TAG_HEADER
-
         src = self._mpi.ANY_SOURCE
         return bool(self.comm.Iprobe(source=src, tag=TAG_HEADER) or self.comm.Iprobe(source=src, tag=TAG_HEADER))
 
     def close(self) -> None:
         """Collective: uninstall it from the rank loops, free the shared flags and the node communicator,
         close the socket."""
-        from hpcsplit.runtime import mailbox
-
         if mailbox._DOORBELL is self:
             mailbox.install_doorbell(None)
         for sk in self._socks:
@@ -334,8 +327,6 @@ def start_doorbell(comm: Any, remote: bool = True, network: str | None = None) -
     Close it with :meth:`Doorbell.close` on every rank once the loops are done, and only on success
     (a failing rank aborts the whole job instead of reaching the collective close).
     """
-    from hpcsplit.runtime import mailbox
-
     db = Doorbell(comm, remote, network)
     mailbox.install_doorbell(db)
     return db

@@ -1,4 +1,5 @@
-"""The frontend rank (rank 0): admits requests, routes them, collects outputs, enforces timeouts.
+"""The frontend's engine (:class:`Frontend`, on rank 0): admits requests, routes them, collects outputs, enforces
+timeouts.
 
 One :meth:`Frontend.run` call is one *session*: requests ``0..n-1`` arriving at ``arrivals_s`` (all at 0
 in batch mode, an open-loop schedule in bench mode).  At most ``max_inflight`` requests are inside the
@@ -27,7 +28,8 @@ from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.routing import INPUT, Dataflow, Router
 from hpcsplit.runtime.trace import Tracer
 
-__all__ = ["STATUS_OK", "STATUS_PENDING", "STATUS_TIMEOUT", "Frontend", "RemoteRankError", "SessionResult"]
+__all__ = ["STATUS_OK", "STATUS_PENDING", "STATUS_TIMEOUT", "Frontend", "RemoteRankError", "SessionResult",
+           "request_getter"]
 
 STATUS_PENDING = 0
 STATUS_OK = 1
@@ -71,6 +73,27 @@ def _warn_timeout(expired: list[int], base: int, request_timeout_s: float) -> No
     log.warning("requests %s exceeded runtime.request_timeout_s=%g s and are reported failed",
                 [int(base + i) for i in expired[:10]] + (["..."] if len(expired) > 10 else []),
                 request_timeout_s)
+
+
+def request_getter(df: Dataflow, inputs: Sequence[torch.Tensor],
+                   modulo: int | None = None) -> Callable[[np.ndarray], list[torch.Tensor]]:
+    """``idx -> [tensor per model input]`` selecting requests along each input's batch dim (request ``i``
+    takes entry ``i % modulo`` when ``modulo`` is given: a pool of inputs cycled through).
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> get = request_getter(SimpleNamespace(input_bdims=((0,),)), [torch.arange(3)], modulo=3)
+    >>> get(np.array([1, 4]))[0].tolist()
+    [1, 1]
+    """
+    bd = df.input_bdims
+
+    def get(idx: np.ndarray) -> list[torch.Tensor]:
+        pos = (idx % modulo if modulo else idx).tolist()
+        return [take_requests(x, bd[i], pos) for i, x in enumerate(inputs)]
+
+    return get
 
 
 class Frontend:

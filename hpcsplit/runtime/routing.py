@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hpcsplit.core.plan import Plan, RankEntry
 from hpcsplit.errors import PlanError
-from hpcsplit.runtime.plan import Plan, RankEntry
 
 __all__ = [
     "INPUT",

@@ -2,8 +2,8 @@
 
 [Note: rank threads]
 OpenMP (libgomp, which torch loads) reads ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY`` once, when the
-library initialises, i.e. when ``import torch`` runs.  The rank entry point (``hpcsplit._rank``) imports
-nothing heavy, and :func:`hpcsplit.runtime.worker.mpi_main` calls :func:`configure_rank` before its
+library initialises, i.e. when ``import torch`` runs.  The rank entry point (``hpcsplit.launch.rank``) imports
+nothing heavy, and :func:`hpcsplit.runtime.stage.mpi_main` calls :func:`configure_rank` before its
 first ``import torch``; torch already imported by then is reported in the log (the launch layer must
 then export the variables itself).  Precedence of the thread count (first that applies):
 
@@ -88,25 +88,39 @@ def choose_threads(
 
 
 def configure_rank(
-    runtime_cfg: dict,
+    threads: int | None,
+    omp_wait_policy: str | None,
     plan_threads: int | None,
     local_ranks: int,
     env: MutableMapping[str, str] | None = None,
 ) -> ThreadChoice:
-    """Set OMP/MKL/OpenBLAS variables for this rank; call before ``import torch``."""
+    """Set OMP/MKL/OpenBLAS variables for this rank; call before ``import torch``.
+
+    Parameters
+    ----------
+    threads : int or None
+        ``runtime.threads`` (None or 0: choose, ``[Note: rank threads]``).
+    omp_wait_policy : str or None
+        ``runtime.omp_wait_policy``, used unless ``OMP_WAIT_POLICY`` is exported; None leaves OpenMP's default.
+    plan_threads : int or None
+        The plan's threads for this rank (CPU plans).
+    local_ranks : int
+        MPI ranks on this node.
+    env : mapping, optional
+        The environment to read and set (default ``os.environ``).
+    """
     env = os.environ if env is None else env
-    n, source = choose_threads(runtime_cfg.get("threads"), env, plan_threads, local_ranks, usable_cores())
+    n, source = choose_threads(threads, env, plan_threads, local_ranks, usable_cores())
     env["OMP_NUM_THREADS"] = str(n)
     for var in ("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(var, str(n))
+    policy: str | None
     if env.get("OMP_WAIT_POLICY"):
         policy, psrc = env["OMP_WAIT_POLICY"], "environment"
     else:
-        policy = runtime_cfg.get("omp_wait_policy", "PASSIVE")
-        psrc = "runtime.omp_wait_policy"
+        policy, psrc = omp_wait_policy, "runtime.omp_wait_policy"
         if policy:
-            env["OMP_WAIT_POLICY"] = str(policy).upper()
-            policy = env["OMP_WAIT_POLICY"]
+            env["OMP_WAIT_POLICY"] = policy = str(policy).upper()
     return ThreadChoice(n, source, policy, psrc, "torch" in sys.modules)
 
 

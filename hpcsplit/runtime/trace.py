@@ -1,7 +1,8 @@
 """Chrome-trace (Perfetto) spans of receive, compute and send per rank, for a window of requests.
 
 ``runtime.trace.start_step`` / ``end_step`` select requests by id (``start <= id < end``); a span is kept
-when any of its requests is in the window.  Each rank writes ``<run_dir>/trace/rank<r>.json``; open
+when any of its requests is in the window.  Each rank writes ``rank<r>.json`` into the run folder's
+``trace/`` (``RunPaths.trace_dir``); open
 them together in https://ui.perfetto.dev (timestamps are the node's monotonic clock, so ranks of one
 node line up).
 """
@@ -56,11 +57,11 @@ class Tracer:
             "args": {"requests": ids[:64], "n": len(ids), **args},
         })
 
-    def write(self, run_dir: str | Path) -> Path | None:
-        """Write ``trace/rank<r>.json`` when tracing is on (returns the path)."""
+    def write(self, trace_dir: str | Path) -> Path | None:
+        """Write ``<trace_dir>/rank<r>.json`` when tracing is on (returns the path)."""
         if not self.enabled:
             return None
-        path = Path(run_dir) / "trace" / f"rank{self.rank}.json"
+        path = Path(trace_dir) / f"rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms",
                                     "otherData": {"clock": "perf_counter", "written": time.time()}}))

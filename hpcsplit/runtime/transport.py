@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcsplit._mpi import MPI
+from hpcsplit.core.mpi import MPI
 from hpcsplit.errors import RuntimeStageError
 
 __all__ = [

@@ -30,7 +30,7 @@ def test_wheel_ships_the_configs_and_finds_them(tmp_path: Path) -> None:
         check=False, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    code = "import hpcsplit.config as c; print(c.conf_dir())"
+    code = "import hpcsplit.launch.config as c; print(c.conf_dir())"
     got = subprocess.run(
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},

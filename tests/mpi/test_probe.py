@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpcsplit import launch
 from hpcsplit.errors import LaunchError
+from hpcsplit.launch import app as launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def _local_cfg() -> dict:
 def test_rank_exception_is_reported_with_its_message(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
         launch.run_mpi(
-            "hpcsplit.probe:_raise_for_tests", _local_cfg(), tmp_path, "probe", 2, echo=lambda s: None
+            "hpcsplit.launch.probe:_raise_for_tests", _local_cfg(), tmp_path, "probe", 2, echo=lambda s: None
         )
     msg = str(err.value)
     assert "[rank 1] RuntimeError: deliberate failure on rank 1" in msg
@@ -83,7 +83,7 @@ def test_rank_exception_is_reported_with_its_message(tmp_path: Path) -> None:
 def test_killed_rank_ends_the_job_instead_of_hanging(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as err:
         launch.run_mpi(
-            "hpcsplit.probe:_crash_for_tests", _local_cfg(), tmp_path, "probe", 3, echo=lambda s: None
+            "hpcsplit.launch.probe:_crash_for_tests", _local_cfg(), tmp_path, "probe", 3, echo=lambda s: None
         )
     assert "exited with code" in str(err.value)
     assert not (tmp_path / "probe._crash_for_tests.result.json").exists()
@@ -93,7 +93,7 @@ def test_local_timeout_kills_the_ranks(tmp_path: Path) -> None:
     cfg = _local_cfg()
     cfg["launcher"]["timeout_min"] = 0.05  # 3 s: the hanging barrier below never returns
     with pytest.raises(LaunchError, match="ran past launcher.timeout_min"):
-        launch.run_mpi("hpcsplit.probe:_hang_for_tests", cfg, tmp_path, "probe", 2, echo=lambda s: None)
+        launch.run_mpi("hpcsplit.launch.probe:_hang_for_tests", cfg, tmp_path, "probe", 2, echo=lambda s: None)
 
 
 def test_hydra_submitit_local_sweep_runs_main_per_point(tmp_path: Path) -> None:

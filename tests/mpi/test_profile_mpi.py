@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hpcsplit.core.profile_format import read_profile
+from hpcsplit.core.settings import group_defaults
 from hpcsplit.errors import ProfileFormatError
-from hpcsplit.profile_io import read_profile
 
 pytestmark = [
     pytest.mark.mpi,
@@ -24,13 +26,14 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = {
-    "profile": {"batch_sizes": [1, 2, 4], "threads": [1, 2], "warmup": 1, "iters": 3, "progress": True},
+    "profile": {**group_defaults("profile"), "batch_sizes": [1, 2, 4], "threads": [1, 2], "warmup": 1, "iters": 3,
+                "progress": True},
     "cluster": {"cores_per_node": 2},
 }
 
 
 def _cmd(n: int, entry: str, cfg_path: Path, run_dir: Path) -> list[str]:
-    return ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank", entry,
+    return ["mpiexec", "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank", entry,
             str(cfg_path), str(run_dir)]  # fmt: skip
 
 
@@ -56,18 +59,15 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def toy_switchboard(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("hpcsplit.switchboard")
-    from tests.unit.profile_toys import export_switchboard
-
-    return export_switchboard("toy", tmp_path_factory.mktemp("sb") / "switchboard")
+def toy_switchboard(switchboards: Callable[..., Path]) -> Path:
+    return switchboards("toy_mlp", dims=(16, 32, 4))
 
 
 def test_two_ranks_merge_into_one_file_equal_in_cells_to_one_rank(
     tmp_path: Path, toy_switchboard: Path
 ) -> None:
     cfg = {**CFG, "switchboard": str(toy_switchboard)}
-    entry = "hpcsplit.profiling:mpi_main"
+    entry = "hpcsplit.profiling.stage:mpi_main"
     one = _run(1, tmp_path / "n1", cfg, entry)
     assert one.returncode == 0, one.stdout + one.stderr
     two = _run(2, tmp_path / "n2", cfg, entry)

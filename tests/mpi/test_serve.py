@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,29 +28,28 @@ if MPIEXEC is None:  # pragma: no cover
 torch = pytest.importorskip("torch")
 
 
-def _export(out: Path, model_cfg: dict, **opts) -> Path:
-    from hpcsplit.models import build_model
-    from hpcsplit.switchboard import export
-
-    model, args, kwargs = build_model(model_cfg)
-    export(model, args, kwargs, out=out, name=model_cfg["name"], **opts)
-    return out
+@pytest.fixture(scope="session")
+def toy_sb(switchboards: Callable[..., Path]) -> Path:
+    """The toy cut into a chain of two components (the second replicated and faulted below)."""
+    return switchboards("toy_mlp", stages=2, max_branches=2)
 
 
 @pytest.fixture(scope="session")
-def toy_sb(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _export(tmp_path_factory.mktemp("toy") / "sb", {"name": "toy_mlp"}, stages=2, max_branches=2)
-
-
-@pytest.fixture(scope="session")
-def clip_sb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def clip_sb(switchboards: Callable[..., Path]) -> Path:
     pytest.importorskip("transformers")
-    return _export(tmp_path_factory.mktemp("clip") / "sb", {"name": "clip_tiny"})
+    return switchboards("clip_tiny")
+
+
+def _last(sb_dir: Path) -> str:
+    """The last component of a switchboard (the one a chain's replicas and faults go to)."""
+    from hpcsplit.switchboard.reader import Switchboard
+
+    return Switchboard.load(sb_dir).order[-1]
 
 
 def _plan(sb_dir: Path, path: Path, replicas: dict[str, int] | None = None, batch: int = 4) -> int:
-    from hpcsplit.runtime.plan import Plan, RankEntry
-    from hpcsplit.switchboard import Switchboard
+    from hpcsplit.core.plan import Plan, RankEntry
+    from hpcsplit.switchboard.reader import Switchboard
 
     sb = Switchboard.load(sb_dir)
     ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
@@ -62,7 +62,7 @@ def _plan(sb_dir: Path, path: Path, replicas: dict[str, int] | None = None, batc
 
 def _inputs(sb_dir: Path, n: int, path: Path) -> list[np.ndarray]:
     """``n`` distinct random requests shaped like the switchboard's inputs, saved to ``path``."""
-    from hpcsplit.switchboard import Switchboard
+    from hpcsplit.switchboard.reader import Switchboard
 
     sb = Switchboard.load(sb_dir)
     gen = torch.Generator().manual_seed(1)
@@ -86,7 +86,7 @@ def _inputs(sb_dir: Path, n: int, path: Path) -> list[np.ndarray]:
 
 def _whole_per_request(sb_dir: Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
     """The whole program run on each request alone (batch 1), first batch dim dropped, stacked."""
-    from hpcsplit.switchboard import Switchboard
+    from hpcsplit.switchboard.reader import Switchboard
 
     sb = Switchboard.load(sb_dir)
     whole = sb.load_whole()
@@ -102,8 +102,8 @@ def _whole_per_request(sb_dir: Path, inputs: list[np.ndarray]) -> list[np.ndarra
 def _serve(tmp: Path, sb_dir: Path, n_ranks: int, runtime: dict, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     cfg = {"stage": "serve", "plan": str(tmp / "plan.json"), "switchboard": str(sb_dir), "runtime": runtime}
     (tmp / "cfg.json").write_text(json.dumps(cfg))
-    cmd = [MPIEXEC, "-n", str(n_ranks), sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank",
-           "hpcsplit.runtime.worker:mpi_main", str(tmp / "cfg.json"), str(tmp / "run")]
+    cmd = [MPIEXEC, "-n", str(n_ranks), sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank",
+           "hpcsplit.runtime.stage:mpi_main", str(tmp / "cfg.json"), str(tmp / "run")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
 
@@ -119,7 +119,8 @@ def _read(path: Path) -> dict[str, np.ndarray]:
 
 
 def test_toy_batch_mode_equals_whole_model(tmp_path: Path, toy_sb: Path) -> None:
-    n = _plan(toy_sb, tmp_path / "plan.json", replicas={"stage_1": 2}, batch=3)
+    last = _last(toy_sb)
+    n = _plan(toy_sb, tmp_path / "plan.json", replicas={last: 2}, batch=3)
     assert n == 4
     inputs = _inputs(toy_sb, 23, tmp_path / "in.npz")
     p = _serve(tmp_path, toy_sb, n, {"input_path": str(tmp_path / "in.npz"),
@@ -130,10 +131,10 @@ def test_toy_batch_mode_equals_whole_model(tmp_path: Path, toy_sb: Path) -> None
     ref = _whole_per_request(toy_sb, inputs)
     assert out["done"].all()
     np.testing.assert_allclose(out["output"], ref[0], rtol=1e-4, atol=1e-5)
-    result = json.loads((tmp_path / "run" / "worker.mpi_main.result.json").read_text())
+    result = json.loads((tmp_path / "run" / "runtime.mpi_main.result.json").read_text())
     # OMP settings were applied before torch loaded OpenMP
     assert "OMP_WAIT_POLICY=PASSIVE" in result["threads"] and "imported before" not in result["threads"]
-    comp = [r for r in result["ranks"] if r["component"] == "stage_1"]
+    comp = [r for r in result["ranks"] if r["component"] == last]
     assert sorted(r["rank"] for r in comp) == [2, 3]
     assert sum(r["requests"] for r in comp) >= 23  # both replicas share the work (+ the check requests)
     assert all(r["requests"] > 0 for r in comp)
@@ -157,15 +158,16 @@ def test_clip_tiny_batch_mode_equals_whole_model(tmp_path: Path, clip_sb: Path) 
 
 def test_raising_rank_aborts_quickly_with_message(tmp_path: Path, toy_sb: Path) -> None:
     n = _plan(toy_sb, tmp_path / "plan.json", batch=2)
+    last = _last(toy_sb)
     _inputs(toy_sb, 40, tmp_path / "in.npz")
     t0 = time.monotonic()
     p = _serve(tmp_path, toy_sb, n, {"input_path": str(tmp_path / "in.npz"), "verify": False,
                                      "output_path": str(tmp_path / "out.npz"), "max_inflight": 4,
-                                     "fault": {"component": "stage_1", "kind": "raise", "after_batches": 3}},
+                                     "fault": {"component": last, "kind": "raise", "after_batches": 3}},
                timeout_s=90)
     elapsed = time.monotonic() - t0
     assert p.returncode != 0
-    assert "component 'stage_1' failed on requests" in p.stderr
+    assert f"component '{last}' failed on requests" in p.stderr
     assert "injected fault" in p.stderr
     assert "rank 2" in p.stderr
     out = _read(tmp_path / "out.npz")  # what finished before the error was written
@@ -188,16 +190,17 @@ def test_slow_component_times_out(tmp_path: Path, toy_sb: Path) -> None:
 
 
 def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> None:
-    from hpcsplit.switchboard import Switchboard
+    from hpcsplit.switchboard.reader import Switchboard
 
     order = Switchboard.load(clip_sb).order
     n = _plan(clip_sb, tmp_path / "plan.json", replicas={order[0]: 2}, batch=2)
     cfg = {"stage": "bench", "plan": str(tmp_path / "plan.json"), "switchboard": str(clip_sb),
            "runtime": {"verify": False},
-           "bench": {"qps": [10, 40], "duration_s": 1.0, "warmup_s": 0, "arrival": "constant"}}
+           "bench": {"qps": [10, 40], "duration_s": 1.0, "min_requests": 0, "warmup_s": 0,
+                     "arrival": "constant"}}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank",
-           "hpcsplit.runtime.worker:mpi_main", str(tmp_path / "cfg.json"), str(tmp_path / "run")]
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank",
+           "hpcsplit.runtime.stage:mpi_main", str(tmp_path / "cfg.json"), str(tmp_path / "run")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -221,8 +224,8 @@ def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> N
 
 
 @pytest.mark.slow
-def test_toy_with_joins_on_seven_ranks(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    sb_dir = _export(tmp_path_factory.mktemp("toy6") / "sb", {"name": "toy_mlp"})  # 6 components, 2 joins
+def test_toy_with_joins_on_seven_ranks(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
+    sb_dir = switchboards("toy_mlp")  # 6 components, 2 joins
     n = _plan(sb_dir, tmp_path / "plan.json", batch=4)
     assert n == 7
     inputs = _inputs(sb_dir, 17, tmp_path / "in.npz")

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from hpcsplit import launch
 from hpcsplit.errors import LaunchError
+from hpcsplit.launch import app as launch
+from tests.conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,13 +31,9 @@ pytestmark = [
 
 
 def _dev_cfg(**slurm: object) -> dict:
-    cluster = yaml.safe_load((REPO / "conf/cluster/dev.yaml").read_text())
-    cluster["slurm"].update(slurm)
-    return {
-        "stage": "probe",
-        "launcher": yaml.safe_load((REPO / "conf/launcher/slurm.yaml").read_text()),
-        "cluster": cluster,
-    }
+    cfg = compose_config("stage=probe", "launcher=slurm", "cluster=dev")
+    cfg["cluster"]["slurm"].update(slurm)
+    return {k: cfg[k] for k in ("stage", "launcher", "cluster")}
 
 
 def _rows(run: Path) -> list[dict]:
@@ -117,7 +113,7 @@ def _failing(entry: str, tmp_path: Path, ranks: int = 4, **slurm: object) -> tup
 
 @pytest.mark.timeout(150)
 def test_rank_exception_on_the_cluster_is_reported(tmp_path: Path) -> None:
-    msg, elapsed, lines = _failing("hpcsplit.probe:_raise_for_tests", tmp_path)
+    msg, elapsed, lines = _failing("hpcsplit.launch.probe:_raise_for_tests", tmp_path)
     print(f"exception reported after {elapsed:.1f} s")
     assert "ended FAILED" in msg
     assert "[rank 3] RuntimeError: deliberate failure on rank 3" in msg
@@ -127,7 +123,7 @@ def test_rank_exception_on_the_cluster_is_reported(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_killed_rank_on_the_cluster_is_reported(tmp_path: Path) -> None:
-    msg, elapsed, _ = _failing("hpcsplit.probe:_crash_for_tests", tmp_path)
+    msg, elapsed, _ = _failing("hpcsplit.launch.probe:_crash_for_tests", tmp_path)
     print(f"kill reported after {elapsed:.1f} s")
     assert "ended FAILED" in msg and "without a result" in msg
     assert "task 3: Killed" in msg  # srun's word for the SIGKILLed rank
@@ -135,13 +131,13 @@ def test_killed_rank_on_the_cluster_is_reported(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_srun_without_pmi_fails_the_world_size_check(tmp_path: Path) -> None:
-    msg, _, _ = _failing("hpcsplit.probe:mpi_main", tmp_path, ranks=2, srun_mpi="none", setup=[])
+    msg, _, _ = _failing("hpcsplit.launch.probe:mpi_main", tmp_path, ranks=2, srun_mpi="none", setup=[])
     assert "WorldSizeError: MPI world size is 1 but SLURM started 2 tasks" in msg
 
 
 @pytest.mark.timeout(150)
 def test_sbatch_refusal_is_a_launch_error(tmp_path: Path) -> None:
-    msg, _, _ = _failing("hpcsplit.probe:mpi_main", tmp_path, ranks=1, partition="no_such_partition")
+    msg, _, _ = _failing("hpcsplit.launch.probe:mpi_main", tmp_path, ranks=1, partition="no_such_partition")
     assert "sbatch refused" in msg and "no_such_partition" in msg
 
 
@@ -155,6 +151,7 @@ def test_hydra_submitit_slurm_launcher_runs_main_in_a_job(tmp_path: Path) -> Non
             "hpcsplit",
             "-m",
             "hydra/launcher=slurm_dev",
+            "cluster=dev",  # the preset reads its SLURM block from cluster.slurm
             "stage=probe",
             "launcher.ranks=2",
             f"hydra.sweep.dir={sweep}",
@@ -168,5 +165,5 @@ def test_hydra_submitit_slurm_launcher_runs_main_in_a_job(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads((sweep / "0" / "probe.mpi_main.result.json").read_text())
     assert {r["world_size"] for r in rows} == {2}  # mpiexec inside the job, not srun's 1-task step
-    assert {r["cpus_per_task"] for r in rows} == {4}  # from conf/hydra/launcher/slurm_dev.yaml
+    assert {r["cpus_per_task"] for r in rows} == {4}  # slurm_dev.yaml: cluster=dev's 4 tasks x 1 cpu
     assert {r["slurm_job_id"] for r in rows} != {None}

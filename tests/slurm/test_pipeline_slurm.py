@@ -72,13 +72,13 @@ def test_toy_pipeline_on_dev_cluster(toy_run: tuple[Path, subprocess.CompletedPr
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert re.search(r"submitted profile as SLURM job \d+", out) and re.search(r"submitted bench as SLURM job \d+", out)
-    from hpcsplit.profile_io import read_profile
-    from hpcsplit.runtime.plan import Plan
+    from hpcsplit.core.plan import Plan
+    from hpcsplit.core.profile_format import read_profile
 
     assert read_profile(run / "profile.h5").complete
     plan = Plan.load(run / "plan.json")
     assert plan.world_size >= 2
-    bench = json.loads((run / "worker.mpi_main.result.json").read_text())
+    bench = json.loads((run / "runtime.mpi_main.result.json").read_text())
     assert bench["mode"] == "bench"
     for variant in ("whole", "split"):  # served outputs vs the golden outputs of the whole model
         e2e = bench["variants"][variant]["end_to_end"]
@@ -196,7 +196,7 @@ def test_preempted_profile_job_is_requeued_and_keeps_cells(
     assert "got SIGUSR2" in logs_text, logs_text[-3000:]
     kept = [int(m.group(1)) for m in re.finditer(r"profile \S+: (\d+)/\d+ cells already measured", logs_text)]
     assert len(kept) >= 2 and kept[-1] > 0, logs_text[-3000:]  # the requeued run started from the kept cells
-    from hpcsplit.profile_io import read_profile
+    from hpcsplit.core.profile_format import read_profile
 
     assert read_profile(run / "profile.h5").complete
 
@@ -227,7 +227,7 @@ def test_bench_sbatch_script(toy_run: tuple[Path, subprocess.CompletedProcess[st
     res = _sbatch_wait(f"--ntasks={world}", f"--output={run}/ok.out", "slurm/bench.sbatch", str(run), *over)
     log = (run / "ok.out").read_text()
     assert res.returncode == 0, log[-3000:]
-    out = json.loads((run / "worker.mpi_main.result.json").read_text())
+    out = json.loads((run / "runtime.mpi_main.result.json").read_text())
     assert out["mode"] == "bench" and out["variants"]["split"]["end_to_end"]["max_abs_diff"] < 1e-4
 
 
@@ -242,11 +242,11 @@ def test_pipeline_sbatch_chains_jobs_with_dependencies(tmp_path: Path) -> None:
     ids = re.search(r"export (\d+) -> profile (\d+) -> allocate (\d+)", res.stdout)
     assert ids, res.stdout
     deadline = time.monotonic() + 1200
-    while time.monotonic() < deadline and not (run / "worker.mpi_main.result.json").exists():
+    while time.monotonic() < deadline and not (run / "runtime.mpi_main.result.json").exists():
         time.sleep(3)
-    out = json.loads((run / "worker.mpi_main.result.json").read_text())
+    out = json.loads((run / "runtime.mpi_main.result.json").read_text())
     assert out["mode"] == "bench" and out["variants"]["split"]["end_to_end"]["samples"] >= 1
-    from hpcsplit.profile_io import read_profile
+    from hpcsplit.core.profile_format import read_profile
 
     assert read_profile(run / "profile.h5").complete and (run / "plan.json").is_file()
 

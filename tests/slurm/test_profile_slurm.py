@@ -1,6 +1,6 @@
 """The profile stage on a real SLURM (the dev cluster: slurm/dev-cluster.sh up).
 
-Through submitit (the launch layer, ``hpcsplit._slurm``) and through ``slurm/profile.sbatch``; a job
+Through submitit (the launch layer, ``hpcsplit.launch.slurm``) and through ``slurm/profile.sbatch``; a job
 that fails on the cluster surfaces its error on the login side; a job warned with USR2 (SLURM's
 signal before the time limit) flushes, requeues itself and finishes the profile.
 """
@@ -12,14 +12,16 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from hpcsplit.core.profile_format import read_profile
+from hpcsplit.core.settings import group_defaults
 from hpcsplit.errors import LaunchError
-from hpcsplit.profile_io import read_profile
+from tests.conftest import compose_config
 
 pytestmark = [
     pytest.mark.slurm,
@@ -29,11 +31,11 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "slurm" / "profile.sbatch"
 TOY_ENTRY = "tests.unit.profile_toys:mpi_main"
-PROFILE = {"batch_sizes": [1, 2, 4], "threads": [1, 2], "warmup": 1, "iters": 3}
+PROFILE = {**group_defaults("profile"), "batch_sizes": [1, 2, 4], "threads": [1, 2], "warmup": 1, "iters": 3}
 
 
 def _cfg(**extra: Any) -> dict[str, Any]:
-    cluster = yaml.safe_load((REPO / "conf/cluster/dev.yaml").read_text())
+    cluster = compose_config("cluster=dev")["cluster"]
     cluster["cores_per_node"] = 2
     cluster["slurm"]["time_min"] = 10
     return {
@@ -54,28 +56,25 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def toy_switchboard(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("hpcsplit.switchboard")
-    from tests.unit.profile_toys import export_switchboard
-
-    return export_switchboard("toy", tmp_path_factory.mktemp("sb") / "switchboard")
+def toy_switchboard(switchboards: Callable[..., Path]) -> Path:
+    return switchboards("toy_mlp", dims=(16, 32, 4))
 
 
 # ------------------------------------------------------------------------------------------- submitit
 
 
 def test_submitit_profile_job(tmp_path: Path, in_repo: None, toy_switchboard: Path) -> None:
-    from hpcsplit import _slurm
+    from hpcsplit.launch import slurm as _slurm
 
     cfg = _cfg(switchboard=str(toy_switchboard))
-    res = _slurm.run_mpi_slurm("hpcsplit.profiling:mpi_main", cfg, tmp_path, "profile", ranks=2)
+    res = _slurm.run_mpi_slurm("hpcsplit.profiling.stage:mpi_main", cfg, tmp_path, "profile", ranks=2)
     assert res["complete"] and res["ranks"] == 2
     prof = read_profile(tmp_path / "profile.h5")
     assert prof.complete and len(prof.components) > 2
 
 
 def test_submitit_failing_job_surfaces_its_error(tmp_path: Path, in_repo: None) -> None:
-    from hpcsplit import _slurm
+    from hpcsplit.launch import slurm as _slurm
 
     cfg = _cfg(toy={"fail_on": "head"})
     t0 = time.monotonic()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from tests.conftest import compose_config
 
 pytestmark = [
     pytest.mark.slurm,
@@ -24,15 +26,16 @@ def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-def test_serve_under_srun_matches_whole_model(tmp_path: Path, in_repo: None) -> None:
-    pytest.importorskip("hpcsplit.switchboard")
-    from hpcsplit import _slurm
-    from tests.mpi.test_serve import _export, _inputs, _plan, _read, _whole_per_request
+def test_serve_under_srun_matches_whole_model(tmp_path: Path, in_repo: None,
+                                             switchboards: Callable[..., Path]) -> None:
+    pytest.importorskip("hpcsplit.switchboard.reader")
+    from hpcsplit.launch import slurm as _slurm
+    from tests.mpi.test_serve import _inputs, _last, _plan, _read, _whole_per_request
 
-    sb_dir = _export(tmp_path / "sb", {"name": "toy_mlp"}, stages=2, max_branches=2)
-    n = _plan(sb_dir, tmp_path / "plan.json", replicas={"stage_1": 2}, batch=2)
+    sb_dir = switchboards("toy_mlp", stages=2, max_branches=2)
+    n = _plan(sb_dir, tmp_path / "plan.json", replicas={_last(sb_dir): 2}, batch=2)
     inputs = _inputs(sb_dir, 9, tmp_path / "in.npz")
-    cluster = yaml.safe_load((REPO / "conf/cluster/dev.yaml").read_text())
+    cluster = compose_config("cluster=dev")["cluster"]
     cluster["cores_per_node"] = 2
     cluster["slurm"]["time_min"] = 10
     cfg = {
@@ -44,7 +47,7 @@ def test_serve_under_srun_matches_whole_model(tmp_path: Path, in_repo: None) -> 
         "launcher": {"name": "slurm", "timeout_min": 10, "poll_s": 1, "poll_max_s": 3, "progress_s": 30},
         "paths": {"plan_filename": "plan.json", "switchboard_dirname": "switchboard"},
     }
-    res = _slurm.run_mpi_slurm("hpcsplit.runtime.worker:mpi_main", cfg, tmp_path / "run", "serve", ranks=n)
+    res = _slurm.run_mpi_slurm("hpcsplit.runtime.stage:mpi_main", cfg, tmp_path / "run", "serve", ranks=n)
     assert res["world_size"] == n
     assert "OMP_WAIT_POLICY=PASSIVE" in res["threads"] and "imported before" not in res["threads"]
     assert res["variants"]["split"]["done"] == 9

@@ -79,24 +79,9 @@ class ToySwitchboard:
         return {"enc": (x,), "head": (h,)}
 
 
-def export_switchboard(model: str, out: Path) -> Path:
-    """Export a real switchboard of ``"toy"`` (the toy MLP) or ``"tiny_clip"`` into ``out``."""
-    from hpcsplit.models import build_clip, build_toy, example_inputs
-    from hpcsplit.switchboard import export
-
-    if model == "toy":
-        m = build_toy(16, 32, 4)
-        args = example_inputs("toy_mlp", 2, model=m)
-    else:
-        m = build_clip("tiny")
-        args = example_inputs("clip_tiny", 2, model=m)
-    export(m, args, out=out, name=model)
-    return out
-
-
 def main(argv: list[str]) -> int:
     """``python -m tests.unit.profile_toys OUT SLEEP_S``: profile the toy (used to kill it mid-run)."""
-    from hpcsplit.profiling import profile_components
+    from hpcsplit.profiling.runner import profile_components
 
     out, sleep_s = Path(argv[0]), float(argv[1])
     summary = profile_components(
@@ -111,11 +96,14 @@ if __name__ == "__main__":
 
 
 def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict[str, Any] | None:
-    """Like :func:`hpcsplit.profiling.mpi_main`, on the toy switchboard (``cfg["toy"]`` options).
+    """Like :func:`hpcsplit.profiling.stage.mpi_main`, on the toy switchboard (``cfg["toy"]`` options).
 
     ``cfg["toy"]["fail_on"]``: a component name whose every run raises a (non-OOM) error.
     """
-    from hpcsplit.profiling import ProfileSettings, profile_components_mpi
+    from hpcsplit.core.mpi import get_comm
+    from hpcsplit.core.paths import RunPaths
+    from hpcsplit.profiling.runner import profile_components_mpi
+    from hpcsplit.profiling.stage import ProfileSettings
 
     toy = dict(cfg.get("toy") or {})
     sb = ToySwitchboard(sleep_s=float(toy.get("sleep_s", 0.0)), oom_above=toy.get("oom_above"))
@@ -128,4 +116,4 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
         orig = sb.load_component
         sb.load_component = lambda name: broken if name == bad else orig(name)  # type: ignore[method-assign]
     s = ProfileSettings.from_config(cfg)
-    return profile_components_mpi(sb, s, Path(run_dir) / "profile.h5", comm=comm)
+    return profile_components_mpi(sb, s, RunPaths.from_config(cfg, run_dir).profile, comm=get_comm(comm))

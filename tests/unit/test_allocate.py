@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from hpcsplit import _patterns as P
-from hpcsplit import _patterns_ref as R
-from hpcsplit._allocate_plan import plan_problems, plot_plan, validate_plan
-from hpcsplit.allocate import DEFAULTS, _options, allocate, build_instance, run_allocate
-from hpcsplit.bench.allocate import make_profile, synthetic_cluster, synthetic_profile
-from hpcsplit.cluster import GIB, ClusterSpec, slice_fraction
+from hpcsplit.allocation import device_solver as R
+from hpcsplit.allocation import patterns as P
+from hpcsplit.allocation.options import build_instance, option_table
+from hpcsplit.allocation.packing import Instance, Pattern, enumerate_patterns, pattern_throughputs
+from hpcsplit.allocation.settings import AllocateSettings
+from hpcsplit.allocation.solve import allocate
+from hpcsplit.allocation.stage import SETTINGS, run_allocate
+from hpcsplit.allocation.synthetic import make_profile, synthetic_cluster, synthetic_profile
+from hpcsplit.allocation.to_plan import plan_problems, plot_plan, validate_plan
+from hpcsplit.bench.allocate import main as bench_main
+from hpcsplit.core.cluster import GIB, ClusterSpec, slice_fraction
+from hpcsplit.core.plan import Plan
+from hpcsplit.core.settings import group_defaults
 from hpcsplit.errors import AllocationError, AllocationInfeasibleError, ConfigError, PlanError
 
 GPU_SLICES = (10.0, 20.0)
@@ -49,14 +58,48 @@ def gpu_cluster(gpus=2, gpu_mem_gb=40, slices=GPU_SLICES, cores=16, **kw):
 
 
 def instance_of(prof, cluster, **opts):
-    o = dict(DEFAULTS)
-    o.update(opts)
-    table = _options(prof.components, cluster, o)
-    weights = {c: float(o["demand_weights"].get(c, 1.0)) for c in table}
-    inst, _ = build_instance(
-        table, cluster, weights, util_limit=o["util_limit"], frontend_cores=o["frontend_cores"]
-    )
+    s = AllocateSettings.defaults(**opts)
+    table = option_table(prof.components, cluster, s)
+    weights = {c: float(s.demand_weights.get(c, 1.0)) for c in table}
+    inst, _ = build_instance(table, cluster, weights, s)
     return inst
+
+
+# ------------------------------------------------------------------------------------- brute force
+def leximin_key(instance: Instance, thr: Sequence[float]) -> tuple[float, ...]:
+    """Sorted normalised throughputs of the active components (compare lexicographically)."""
+    return tuple(sorted(thr[c] / instance.weights[c] for c in instance.active))
+
+
+def brute_force_leximin(instance: Instance, *, limit: int = 200_000) -> tuple[float, ...]:
+    """The leximin-optimal sorted vector by trying every assignment of patterns to devices (tiny
+    instances only: ValueError beyond ``limit`` combinations)."""
+    per_kind: list[list[tuple[tuple[Pattern, int], ...]]] = []
+    total = 1
+    for kind in instance.kinds:
+        pats = enumerate_patterns(kind, limit, maximal_only=False)
+        if pats is None:
+            raise ValueError("too many patterns for brute force")
+        combos = list(itertools.combinations_with_replacement(range(len(pats)), kind.count))
+        total *= len(combos)
+        if total > limit:
+            raise ValueError(f"more than {limit} combinations for brute force")
+        per_kind.append([tuple((pats[i], 1) for i in combo) for combo in combos])
+    best: tuple[float, ...] | None = None
+    for choice in itertools.product(*per_kind):
+        reps = [0] * instance.n_comp
+        for kind, ch in zip(instance.kinds, choice, strict=True):
+            for pat, _ in ch:
+                for i, cnt in pat:
+                    reps[kind.items[i].comp] += cnt
+        if min(reps) < 1:
+            continue
+        key = leximin_key(instance, pattern_throughputs(instance, choice))
+        if best is None or key > best:
+            best = key
+    if best is None:
+        raise ValueError("no assignment gives every component a replica")
+    return best
 
 
 EXACT = {"mip_rel_gap": 1e-9, "time_limit_s": 120, "stage_time_limit_s": None}
@@ -75,7 +118,7 @@ def test_leximin_equals_brute_force(weights, mode):
     prof, cl = gpu_profile(SPEC), gpu_cluster(gpus=2)
     al = allocate(prof, cl, demand_weights=weights, mode=mode, **EXACT)
     assert al.solve["mode"] == ("per-device" if mode == "auto" else "enumerate")
-    brute = R.brute_force_leximin(instance_of(prof, cl, demand_weights=weights))
+    brute = brute_force_leximin(instance_of(prof, cl, demand_weights=weights))
     np.testing.assert_allclose(al.leximin, brute, rtol=1e-5)
     validate_plan(al.to_plan(), prof, cl)
 
@@ -86,10 +129,10 @@ def test_pattern_and_per_gpu_formulations_agree():
     per_gpu = R.solve_per_device(inst, mip_rel_gap=1e-9)
     enum = P.solve_patterns(inst, mode="enumerate", mip_rel_gap=1e-9)
     gen = P.solve_patterns(inst, mode="generate", mip_rel_gap=1e-9)
-    ref = R.leximin_key(inst, per_gpu.throughput_rps)
-    np.testing.assert_allclose(R.leximin_key(inst, enum.throughput_rps), ref, rtol=1e-5)
+    ref = leximin_key(inst, per_gpu.throughput_rps)
+    np.testing.assert_allclose(leximin_key(inst, enum.throughput_rps), ref, rtol=1e-5)
     # column generation keeps only priced patterns: never better than exact, within its reported gap
-    key = R.leximin_key(inst, gen.throughput_rps)
+    key = leximin_key(inst, gen.throughput_rps)
     assert key[0] <= ref[0] * (1 + 1e-6)
     assert key[0] >= ref[0] * (1 - gen.gap) - 1e-6
 
@@ -117,7 +160,7 @@ def test_cpu_nodes_equal_brute_force_and_keep_a_core_for_the_frontend():
         }
     )
     al = allocate(prof, cl, mode="enumerate", **EXACT)
-    np.testing.assert_allclose(al.leximin, R.brute_force_leximin(instance_of(prof, cl)), rtol=1e-5)
+    np.testing.assert_allclose(al.leximin, brute_force_leximin(instance_of(prof, cl)), rtol=1e-5)
     np.testing.assert_allclose(allocate(prof, cl, **EXACT).leximin, al.leximin, rtol=1e-5)
     plan = al.to_plan()
     validate_plan(plan, prof, cl)
@@ -149,7 +192,7 @@ def test_per_gpu_utilization_limit_binds_and_changes_the_answer():
     assert problems and all("utilization" in p for p in problems)
     # an aggregated model (utilization summed over GPUs <= 2) would allow 3 replicas of 'b': not placeable
     inst = instance_of(prof, cl)
-    assert R.brute_force_leximin(inst) == pytest.approx(limited.leximin)
+    assert brute_force_leximin(inst) == pytest.approx(limited.leximin)
 
 
 def test_slice_layouts_are_respected():
@@ -158,7 +201,7 @@ def test_slice_layouts_are_respected():
     cl = gpu_cluster(gpus=1, gpu_mem_gb=40, slices=slices, slice_layouts=[[20, 10, 10], [20, 5, 5, 5]])
     prof = gpu_profile(spec, slices=slices)
     al = allocate(prof, cl, **EXACT)
-    np.testing.assert_allclose(al.leximin, R.brute_force_leximin(instance_of(prof, cl)), rtol=1e-5)
+    np.testing.assert_allclose(al.leximin, brute_force_leximin(instance_of(prof, cl)), rtol=1e-5)
     plan = al.to_plan()
     validate_plan(plan, prof, cl)
     used = sorted(r.slice_gb for r in plan.ranks[1:])
@@ -178,7 +221,7 @@ def test_slo_restricts_batch_sizes():
 
 def test_plan_file_png_and_summary(tmp_path, monkeypatch):
     prof, _cl = gpu_profile(SPEC), gpu_cluster(gpus=2)
-    monkeypatch.setattr("hpcsplit.profile_io.read_profile", lambda path, **kw: prof)
+    monkeypatch.setattr("hpcsplit.allocation.stage.read_profile", lambda path, **kw: prof)
     cfg = {
         "profile": {"path": str(tmp_path / "p.h5")},
         "paths": {"plan_filename": "plan.json"},
@@ -192,11 +235,9 @@ def test_plan_file_png_and_summary(tmp_path, monkeypatch):
             "mem_gb_per_node": 64,
             "cpu_threads": [1],
         },
-        "allocate": {**DEFAULTS, "time_limit_s": 30},
+        "allocate": {**group_defaults("allocate"), "time_limit_s": 30},
     }
     out = run_allocate(cfg, tmp_path)
-    from hpcsplit.runtime.plan import Plan
-
     plan = Plan.load(out["plan"])
     assert plan.world_size == out["world_size"] == len(plan.ranks)
     assert plan.ranks[0].role == "frontend" and plan.device_kind == "cuda"
@@ -204,6 +245,30 @@ def test_plan_file_png_and_summary(tmp_path, monkeypatch):
     assert (tmp_path / "plan.png").stat().st_size > 1000
     json.dumps(out)
     validate_plan(plan, prof, cfg["cluster"])
+
+
+def test_stage_checks_settings_first_and_merges_several_profiles(tmp_path, monkeypatch):
+    parts = {"m1.h5": gpu_profile({k: SPEC[k] for k in ("enc", "dec")}, model="m1"),
+             "m2.h5": gpu_profile({"head": SPEC["head"]}, model="m2")}
+    read: list[str] = []
+
+    def fake_read(path, **kw):
+        read.append(str(path))
+        return parts[path.name]
+
+    monkeypatch.setattr("hpcsplit.allocation.stage.read_profile", fake_read)
+    cluster = {"name": "t", "nodes": 1, "gpus_per_node": 2, "gpu_mem_gb": 40, "slices_gb": [10, 20],
+               "cores_per_node": 16, "mem_gb_per_node": 64, "cpu_threads": [1]}
+    cfg = {"profile": {"path": [str(tmp_path / n) for n in parts]}, "cluster": cluster,
+           "allocate": {**group_defaults("allocate"), "util_limt": 0.5, "slo_quantile": 2}}
+    with pytest.raises(ConfigError) as e:
+        run_allocate(cfg, tmp_path)
+    assert "util_limt is not a setting (did you mean 'util_limit'?)" in str(e.value)
+    assert "slo_quantile = 2" in str(e.value) and not read  # nothing read before the settings hold
+    cfg["allocate"] = group_defaults("allocate")
+    out = run_allocate(cfg, tmp_path)
+    assert len(read) == 2 and out["plan"] == str(tmp_path / "plan.json")
+    assert set(Plan.load(out["plan"]).predicted_throughput_rps) == set(SPEC)
 
 
 def test_validator_catches_memory_and_layout_violations():
@@ -323,8 +388,10 @@ def test_profile_and_cluster_device_mismatch():
 
 
 def test_unknown_option_is_rejected():
-    with pytest.raises(AllocationError, match="unknown options"):
+    with pytest.raises(AllocationError, match=r"allocate\.max_gpus is not a setting.*valid: "):
         allocate(gpu_profile(SPEC), gpu_cluster(), max_gpus=3)
+    with pytest.raises(AllocationError, match=r"max_patern is not a setting \(did you mean 'max_patterns'\?\)"):
+        allocate(gpu_profile(SPEC), gpu_cluster(), max_patern=3)
 
 
 def test_time_limit_keeps_a_valid_plan_and_reports_it():
@@ -375,15 +442,23 @@ def test_cluster_defaults_to_this_machine():
     assert spec.cores_per_node >= 1 and spec.mem_gb_per_node > 0 and spec.device_kind == "cpu"
 
 
-def test_default_config_matches_the_function_defaults():
-    from pathlib import Path
-
-    import yaml
-
-    cfg = yaml.safe_load((Path(__file__).parents[2] / "conf" / "allocate" / "default.yaml").read_text())
-    assert set(cfg) == set(DEFAULTS)
-    for key, value in DEFAULTS.items():
-        assert cfg[key] == value, key
+def test_settings_come_from_the_yaml_and_list_every_problem():
+    assert SETTINGS == {"allocate": AllocateSettings}
+    yaml_values = group_defaults("allocate")
+    s = AllocateSettings.from_config({"allocate": yaml_values})
+    assert s.to_values() == {**yaml_values, "time_limit_s": float(yaml_values["time_limit_s"])}
+    assert AllocateSettings.defaults() == s
+    # a partial group is completed from the YAML (the Python API's way too)
+    assert AllocateSettings.from_config({"allocate": {"solver": "highs"}}).solver == "HIGHS"
+    with pytest.raises(ConfigError) as e:
+        AllocateSettings.from_config(
+            {"allocate": {"time_limit_s": 0, "mode": "fast", "cpu_timeshare": "yes", "leximin_levels": 0,
+                          "slo_ms": -2, "demand_weights": {"a": -1}, "util_limt": 1.0}}
+        )
+    msg = str(e.value)
+    for needle in ("time_limit_s = 0", "mode = 'fast'", "cpu_timeshare = 'yes'", "leximin_levels = 0",
+                   "slo_ms = -2", "{'a': -1}", "util_limt is not a setting (did you mean 'util_limit'?)"):
+        assert needle in msg, needle
 
 
 def test_zero_weight_gets_one_replica_and_no_say():
@@ -392,7 +467,7 @@ def test_zero_weight_gets_one_replica_and_no_say():
     assert sum(1 for r in al.replicas if r.option.component == "head") >= 1
     assert len(al.leximin) == 2
     np.testing.assert_allclose(
-        al.leximin, R.brute_force_leximin(instance_of(prof, cl, demand_weights={"head": 0})), rtol=1e-5
+        al.leximin, brute_force_leximin(instance_of(prof, cl, demand_weights={"head": 0})), rtol=1e-5
     )
 
 
@@ -406,9 +481,7 @@ def test_several_profiles_are_merged_and_names_must_differ():
 
 
 def test_bench_runs_on_a_small_case(capsys):
-    from hpcsplit.bench.allocate import main
-
-    assert main(["--gpus", "4", "--components", "3", "--solvers", "HIGHS,NOSUCH"]) == 0
+    assert bench_main(["--gpus", "4", "--components", "3", "--solvers", "HIGHS,NOSUCH"]) == 0
     out = capsys.readouterr().out
     assert "NOSUCH" in out and "    4     3  HIGHS" in out
 

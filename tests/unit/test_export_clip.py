@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 
 import hpcsplit
-from hpcsplit.models import build_clip, example_inputs
-from hpcsplit.switchboard import Switchboard
+from hpcsplit.switchboard.models import build_clip, example_inputs
+from hpcsplit.switchboard.reader import Switchboard
 
 
 @pytest.fixture(scope="module")

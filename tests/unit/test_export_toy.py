@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import hpcsplit
-from hpcsplit._layout import sha256_file
-from hpcsplit.models import build_toy, example_inputs
-from hpcsplit.switchboard import Switchboard, run_export
+from hpcsplit.core.settings import group_defaults
+from hpcsplit.errors import ConfigError
+from hpcsplit.switchboard.layout import sha256_file
+from hpcsplit.switchboard.models import build_toy, example_inputs
+from hpcsplit.switchboard.reader import Switchboard
+from hpcsplit.switchboard.stage import SETTINGS, PartitionSettings, VerifySettings, model_settings, run_export
 
 TOY_ORDER = ["stem", "left", "right", "left_tail", "mixer", "head"]
 
@@ -113,13 +117,9 @@ def test_stages_cut_the_components(toy: torch.nn.Module, tmp_path: Path) -> None
         torch.testing.assert_close(sb(*x), toy(*x))
 
 
-def test_run_export_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = {
-        "model": {"name": "toy_mlp", "batch_size": 2, "d_in": 8, "hidden": 16, "d_out": 3, "seed": 0},
-        "partition": {"cost": "flops", "timing_repeats": 1, "stages": None, "max_stage_ms": None},
-        "verify": {"atol": 1e-5, "rtol": 1e-4},
-        "paths": {"switchboard_dirname": "switchboard"},
-    }
+def test_run_export_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str], compose: Any) -> None:
+    cfg = compose("model=toy_mlp", "model.d_in=8", "model.hidden=16", "model.d_out=3", "partition.cost=flops",
+                  "partition.timing_repeats=1")
     summary = run_export(cfg, tmp_path)
     assert summary["components"] == TOY_ORDER
     assert Path(summary["switchboard"]) == tmp_path / "switchboard"
@@ -128,10 +128,28 @@ def test_run_export_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "mixer" in printed and "relu_1, relu_2 -> " in printed and "verified" in printed
 
 
+def test_export_settings_list_every_problem_at_once(tmp_path: Path) -> None:
+    cfg = {
+        "model": {**group_defaults("model", "toy_mlp"), "seed": 0, "hiden": 8},
+        "partition": {**group_defaults("partition", "dominator"), "method": "spectral", "stages": 2,
+                      "max_stage_ms": 1.0},
+        "verify": {"atol": -1.0, "rtol": 1e-4},
+    }
+    with pytest.raises(ConfigError) as ei:
+        run_export(cfg, tmp_path)
+    msg = str(ei.value)
+    for part in ("model.hiden is not a setting (did you mean 'hidden'?)", "needed 'dominator' (the only method)",
+                 "both partition.stages=2 and partition.max_stage_ms=1", "verify.atol = -1.0"):
+        assert part in msg, msg
+    assert not (tmp_path / "switchboard").exists()
+    with pytest.raises(ConfigError, match="model.name='resnet'; needed one of toy_mlp, clip, clip_tiny"):
+        model_settings({"model": {"name": "resnet"}})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profiler_release_gives_the_gpu_memory_back(sb: Switchboard) -> None:
-    from hpcsplit._profile_measure import load_on_device
+    from hpcsplit.core.device import load_on_device
 
     dev = torch.device("cuda", 0)
     base = torch.cuda.memory_allocated(dev)
@@ -164,20 +182,24 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 @pytest.mark.parametrize("name", ["toy_mlp", "clip_tiny"])
-def test_model_configs_build_their_models(name: str) -> None:
-    from omegaconf import OmegaConf
-
-    from hpcsplit.models import build_model
-
+def test_model_configs_build_their_models(name: str, compose: Any) -> None:
     if name.startswith("clip"):
         pytest.importorskip("transformers")
-    cfg = OmegaConf.create({"seed": 0, "model": OmegaConf.load(CONF / "model" / f"{name}.yaml")})
-    model_cfg = OmegaConf.to_container(cfg, resolve=True)["model"]  # type: ignore[index]
-    model, args, kwargs = build_model(model_cfg)  # type: ignore[arg-type]
+    cfg = compose(f"model={name}")
+    model, args, kwargs = model_settings(cfg).build()
     assert kwargs == {}
-    assert all(a.shape[0] == model_cfg["batch_size"] for a in args)  # type: ignore[index]
+    assert all(a.shape[0] == cfg["model"]["batch_size"] for a in args)
     with torch.no_grad():
         model(*args)
+
+
+@pytest.mark.parametrize("name", ["toy", "clip", "clip_tiny"])
+def test_every_experiment_gives_valid_export_settings(name: str, compose: Any) -> None:
+    cfg = compose(f"+experiment={name}")
+    ms = model_settings(cfg)
+    assert ms.name == cfg["model"]["name"] and isinstance(ms, SETTINGS["model"][ms.name])  # type: ignore[index]
+    assert PartitionSettings.from_config(cfg).method == "dominator"
+    assert VerifySettings.from_config(cfg).atol == cfg["verify"]["atol"]
 
 
 @pytest.mark.parametrize("name", ["toy", "clip", "clip_tiny"])
@@ -190,7 +212,7 @@ def test_experiments_are_global_packages(name: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_timing_pass_on_cuda(toy: torch.nn.Module) -> None:
-    from hpcsplit.capture import capture, measure_nodes
+    from hpcsplit.switchboard.graph import capture, measure_nodes
 
     cg = capture(toy, example_inputs("toy_mlp", 2, model=toy))
     costs = measure_nodes(cg, batch_size=8, repeats=2, device="cuda")

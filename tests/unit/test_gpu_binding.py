@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from hpcsplit.cluster import GIB
+from hpcsplit.core.cluster import GIB
 from hpcsplit.errors import RuntimeStageError
-from hpcsplit.runtime.worker import _bind_device
+from hpcsplit.runtime.component import load_variant
+from hpcsplit.runtime.rank import bind_device
+from hpcsplit.runtime.routing import WHOLE
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ def _entry(gpu: int, slice_gb: float) -> SimpleNamespace:
 
 
 def test_rank_binds_its_gpu_with_the_profiled_cap(fake_cuda: dict[str, Any]) -> None:
-    dev = _bind_device(SimpleNamespace(device_kind="cuda"), _entry(2, 20), rank=3)
+    dev = bind_device(SimpleNamespace(device_kind="cuda"), _entry(2, 20), rank=3)
     assert dev == torch.device("cuda", 2) and fake_cuda["device"] == dev
     assert fake_cuda["fraction"] == (0.25, dev)  # 20 GiB of 80 GiB, as apply_slice capped the profile
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
@@ -45,21 +47,21 @@ def test_rank_binds_its_gpu_with_the_profiled_cap(fake_cuda: dict[str, Any]) -> 
 
 def test_rank_outside_the_visible_gpus_says_so(fake_cuda: dict[str, Any]) -> None:
     with pytest.raises(RuntimeStageError, match=r"plan says GPU 5 but this rank sees 4 GPU\(s\)"):
-        _bind_device(SimpleNamespace(device_kind="cuda"), _entry(5, 20), rank=1)
+        bind_device(SimpleNamespace(device_kind="cuda"), _entry(5, 20), rank=1)
     assert fake_cuda["fraction"] is None
 
 
 def test_cpu_plans_and_the_frontend_stay_on_the_cpu(fake_cuda: dict[str, Any]) -> None:
-    assert _bind_device(SimpleNamespace(device_kind="cpu"), _entry(0, 20), rank=1) == torch.device("cpu")
+    assert bind_device(SimpleNamespace(device_kind="cpu"), _entry(0, 20), rank=1) == torch.device("cpu")
     front = SimpleNamespace(role="frontend", gpu=None, slice_gb=None, component=None)
-    assert _bind_device(SimpleNamespace(device_kind="cuda"), front, rank=0) == torch.device("cpu")
+    assert bind_device(SimpleNamespace(device_kind="cuda"), front, rank=0) == torch.device("cpu")
     assert fake_cuda["device"] is None and torch.backends.cudnn.allow_tf32
 
 
 def test_gpu_plan_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeStageError, match="CUDA is not available here"):
-        _bind_device(SimpleNamespace(device_kind="cuda"), _entry(0, 20), rank=1)
+        bind_device(SimpleNamespace(device_kind="cuda"), _entry(0, 20), rank=1)
 
 
 class _TooBig:
@@ -73,11 +75,11 @@ class _TooBig:
 
 
 def test_a_program_too_big_for_its_slice_names_the_slice_and_the_fix() -> None:
-    from hpcsplit.runtime.routing import WHOLE
-    from hpcsplit.runtime.session import load_variant
+    def ctx_on(device: torch.device) -> Any:
+        return SimpleNamespace(rank=2, device=device, on_gpu=device.type == "cuda", switchboard=_TooBig(),
+                               runtime=SimpleNamespace(verify=True))
 
-    ctx = SimpleNamespace(comm=SimpleNamespace(Get_rank=lambda: 2), device=torch.device("cuda", 0), sb=_TooBig(),
-                          rt={"verify": True})
+    ctx = ctx_on(torch.device("cuda", 0))
     df = SimpleNamespace(batch_size_of=lambda rank: 8)
     with pytest.raises(RuntimeStageError, match=r"rank 2: component 'vision' does not fit in this rank's GPU memory "
                                                 r"slice \(10 GB\) at batch 8: CUDA out of memory\. Tried to allocate "
@@ -85,6 +87,6 @@ def test_a_program_too_big_for_its_slice_names_the_slice_and_the_fix() -> None:
         load_variant(ctx, df, "split", "vision", 10)
     with pytest.raises(RuntimeStageError, match=r"the unsplit model .* or serve without the baseline"):
         load_variant(ctx, df, "whole", WHOLE, 10)
-    ctx.device = torch.device("cpu")  # on the CPU it is not about slices: the error passes as it is
+    ctx = ctx_on(torch.device("cpu"))  # on the CPU it is not about slices: the error passes as it is
     with pytest.raises(torch.OutOfMemoryError):
         load_variant(ctx, df, "split", "vision", 10)

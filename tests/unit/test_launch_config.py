@@ -1,32 +1,69 @@
-"""Launch layer without MPI or SLURM: argv shortcuts, config validation, mpiexec lines, waiting logic."""
+"""Launch layer without MPI or SLURM: the stage table, argv shortcuts, config validation, mpiexec lines,
+waiting logic.  Configs are composed by Hydra from conf/ (the ``compose`` fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-import yaml
 
-from hpcsplit import _slurm, launch
-from hpcsplit.config import conf_dir, rewrite_argv, validate
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.paths import RunPaths
 from hpcsplit.errors import ConfigError, LaunchError
+from hpcsplit.launch import app as launch
+from hpcsplit.launch import local, stages
+from hpcsplit.launch import slurm as _slurm
+from hpcsplit.launch.config import conf_dir, rewrite_argv, validate
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _load(rel: str) -> dict:
-    return yaml.safe_load((REPO / "conf" / rel).read_text())
+Cfg = Callable[..., dict[str, Any]]
 
 
-def _cfg(launcher: str = "local", cluster: str = "local", **top: object) -> dict:
-    return {
-        "stage": "probe",
-        "launcher": _load(f"launcher/{launcher}.yaml"),
-        "cluster": _load(f"cluster/{cluster}.yaml"),
-        **top,
-    }
+@pytest.fixture
+def cfg_of(compose: Callable[..., dict[str, Any]]) -> Cfg:
+    """``cfg_of("slurm", "dev", stage="all")``: the composed config of ``launcher=... cluster=...``."""
+
+    def _cfg(launcher: str = "local", cluster: str = "local", **top: object) -> dict[str, Any]:
+        return {**compose(f"launcher={launcher}", f"cluster={cluster}", "stage=probe"), **top}
+
+    return _cfg
+
+
+def _cluster(cfg: dict[str, Any]) -> ClusterSpec:
+    return ClusterSpec.from_config(cfg["cluster"])
+
+
+# ------------------------------------------------------------------------------------ stage table
+
+
+def test_one_stage_table_feeds_validation_dispatch_and_pipeline() -> None:
+    assert stages.PIPELINE == ("export", "profile", "analyze", "allocate", "bench")
+    assert set(stages.MPI_STAGES) == {"probe", "profile", "serve", "bench"}
+    assert stages.STAGE_NAMES[-1] == "all" and set(stages.STAGE_NAMES[:-1]) == set(stages.STAGES)
+    assert [s.name for s in stages.STAGES.values() if s.requeueable] == ["profile"]
+    for row in stages.STAGES.values():
+        assert (row.ranks is not None) == row.mpi, row
+        assert row.function == ("mpi_main" if row.mpi else f"run_{row.name}"), row
+    from hpcsplit.launch import pipeline
+
+    assert pipeline.PIPELINE is stages.PIPELINE
+
+
+def test_launcher_settings_refuse_unknown_keys_with_a_suggestion(cfg_of: Cfg) -> None:
+    cfg = cfg_of()
+    cfg["launcher"]["timeout_mins"] = 5
+    with pytest.raises(ConfigError, match="launcher.timeout_mins is not a setting .did you mean 'timeout_min'"):
+        validate(cfg)
+    s = stages.launcher_settings(cfg_of("slurm", "dev"))
+    assert isinstance(s, stages.SlurmLauncherSettings) and s.max_requeue == 3 and s.poll_s == 2.0
+    # a partial launcher group takes conf/launcher/<name>.yaml's values
+    assert stages.launcher_settings({"launcher": {"name": "local"}}).timeout_min == 120
 
 
 # ------------------------------------------------------------------------------------------- argv
@@ -94,14 +131,14 @@ def test_conf_dir_is_the_repo_conf() -> None:
 # ------------------------------------------------------------------------------------- validation
 
 
-def test_presets_are_valid() -> None:
-    validate(_cfg())
-    validate(_cfg("slurm", "dev"))
-    validate(_cfg("slurm", "perlmutter"))
+def test_presets_are_valid(cfg_of: Cfg) -> None:
+    validate(cfg_of())
+    validate(cfg_of("slurm", "dev"))
+    validate(cfg_of("slurm", "perlmutter"))
 
 
-def test_all_problems_are_listed_at_once() -> None:
-    cfg = _cfg("slurm", "dev", stage="nope")
+def test_all_problems_are_listed_at_once(cfg_of: Cfg) -> None:
+    cfg = cfg_of("slurm", "dev", stage="nope")
     cfg["launcher"]["ranks"] = 0
     cfg["cluster"]["slurm"].update(time_min=-5, srun_mpi="pmi3", partition="two words")
     with pytest.raises(ConfigError) as err:
@@ -118,13 +155,13 @@ def test_all_problems_are_listed_at_once() -> None:
         assert part in msg
 
 
-def test_slurm_launcher_needs_a_slurm_cluster() -> None:
+def test_slurm_launcher_needs_a_slurm_cluster(cfg_of: Cfg) -> None:
     with pytest.raises(ConfigError, match="cluster='local' has none"):
-        validate(_cfg("slurm", "local"))
+        validate(cfg_of("slurm", "local"))
 
 
-def test_unknown_launcher() -> None:
-    cfg = _cfg()
+def test_unknown_launcher(cfg_of: Cfg) -> None:
+    cfg = cfg_of()
     cfg["launcher"]["name"] = "pbs"
     with pytest.raises(ConfigError, match="launcher.name = 'pbs'"):
         validate(cfg)
@@ -134,17 +171,17 @@ def test_unknown_launcher() -> None:
 
 
 def test_openmpi_as_root_gets_its_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(launch, "mpiexec_flavour", lambda m: "openmpi")
-    monkeypatch.setattr(launch.os, "geteuid", lambda: 0)
-    cmd = launch.mpiexec_command("/x/mpiexec", 3, "hpcsplit.probe:mpi_main", tmp_path / "c.json", tmp_path)
+    monkeypatch.setattr(local, "mpiexec_flavour", lambda m: "openmpi")
+    monkeypatch.setattr(local.os, "geteuid", lambda: 0)
+    cmd = launch.mpiexec_command("/x/mpiexec", 3, "hpcsplit.launch.probe:mpi_main", tmp_path / "c.json", tmp_path)
     assert cmd[:3] == ["/x/mpiexec", "--allow-run-as-root", "--oversubscribe"]
     assert cmd[3:5] == ["-n", "3"]
-    assert cmd[5:10] == [sys.executable, "-m", "mpi4py", "-m", "hpcsplit._rank"]
-    assert cmd[-3:] == ["hpcsplit.probe:mpi_main", str(tmp_path / "c.json"), str(tmp_path)]
+    assert cmd[5:10] == [sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank"]
+    assert cmd[-3:] == ["hpcsplit.launch.probe:mpi_main", str(tmp_path / "c.json"), str(tmp_path)]
 
 
 def test_mpich_gets_no_openmpi_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(launch, "mpiexec_flavour", lambda m: "mpich")
+    monkeypatch.setattr(local, "mpiexec_flavour", lambda m: "mpich")
     cmd = launch.mpiexec_command("mpiexec", 2, "m:f", tmp_path / "c.json", tmp_path, ["--bind-to", "core"])
     assert cmd[:5] == ["mpiexec", "--bind-to", "core", "-n", "2"]
 
@@ -154,25 +191,28 @@ def test_missing_mpiexec_is_a_launch_error() -> None:
         launch.find_mpiexec("/nonexistent/mpiexec")
 
 
-def test_unavailable_stage_says_so(tmp_path: Path) -> None:
-    fn, why = launch._available("hpcsplit.no_such_module", "run_x")
+def test_unavailable_stage_says_so(tmp_path: Path, cfg_of: Cfg) -> None:
+    fn, why = launch._available("hpcsplit.no_such_module:run_x")
     assert fn is None and "does not exist yet" in why
+    fn, why = launch._available("hpcsplit.launch.sbatch:run_nothing")
+    assert fn is None and "has no run_nothing()" in why
     with pytest.raises(LaunchError, match="stage=serve needs a plan"):
-        launch._mpi_ranks("serve", _cfg(), tmp_path)
+        launch._mpi_ranks("serve", cfg_of(), tmp_path)
 
 
-def test_mpi_rank_counts(tmp_path: Path) -> None:
-    assert launch._mpi_ranks("probe", _cfg(), tmp_path) == 1
-    cfg = _cfg(profile={"ranks": 3})
+def test_mpi_rank_counts(tmp_path: Path, cfg_of: Cfg) -> None:
+    assert launch._mpi_ranks("probe", cfg_of(), tmp_path) == 1
+    cfg = cfg_of()
+    cfg["profile"]["ranks"] = 3
     assert launch._mpi_ranks("profile", cfg, tmp_path) == 3
-    assert launch._mpi_ranks("probe", _cfg("slurm", "dev"), tmp_path) is None  # the cluster's geometry
+    assert launch._mpi_ranks("probe", cfg_of("slurm", "dev"), tmp_path) is None  # the cluster's geometry
 
 
 # ------------------------------------------------------------------------------------------ slurm
 
 
-def test_geometry_and_parameters() -> None:
-    cfg = _cfg("slurm", "perlmutter")
+def test_geometry_and_parameters(cfg_of: Cfg) -> None:
+    cfg = _cluster(cfg_of("slurm", "perlmutter"))
     assert _slurm.geometry(cfg) == _slurm.JobGeometry(2, 4, 8)
     assert _slurm.geometry(cfg, 5) == _slurm.JobGeometry(2, 3, 5)
     # a plan: 9 ranks on 2 nodes, 5 on the first (frontend + 4 components) -> 5 per node, --ntasks=9
@@ -181,7 +221,7 @@ def test_geometry_and_parameters() -> None:
     params = _slurm.executor_parameters(cfg, "serve", 5)
     assert params["additional_parameters"] == {"ntasks": 5}
     assert params["srun_args"] == ["--mpi=pmi2", "--kill-on-bad-exit=1"]
-    dev = _slurm.executor_parameters(_cfg("slurm", "dev"), "probe")
+    dev = _slurm.executor_parameters(_cluster(cfg_of("slurm", "dev")), "probe")
     assert dev["partition"] == "debug" and dev["gpus_per_node"] == 4 and "account" not in dev
 
 
@@ -267,10 +307,16 @@ def test_wait_timeout_cancels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert cancelled == ["42"]
 
 
-def test_submit_without_sbatch_is_a_launch_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submit_without_sbatch_is_a_launch_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg_of: Cfg
+) -> None:
     monkeypatch.setattr(_slurm.shutil, "which", lambda name: None)
+    cfg = cfg_of("slurm", "dev")
+    launcher = stages.launcher_settings(cfg)
+    assert isinstance(launcher, stages.SlurmLauncherSettings)
     with pytest.raises(LaunchError, match="no `sbatch` on PATH"):
-        _slurm.submit("hpcsplit.probe:mpi_main", _cfg("slurm", "dev"), tmp_path, "probe")
+        _slurm.submit("hpcsplit.launch.probe:mpi_main", cfg, RunPaths.from_config(cfg, tmp_path), "probe",
+                      _cluster(cfg), launcher)
 
 
 # -------------------------------------------------------------------------------------------- CLI
@@ -298,11 +344,39 @@ def test_cli_reports_config_problems_and_exits_1(tmp_path: Path) -> None:
     assert "stage = 'nope'" in res.stderr and "cluster='local' has none" in res.stderr
 
 
-def test_all_stops_at_a_missing_stage_and_keeps_a_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(launch.LOCAL_STAGES, "export", ("hpcsplit.no_such_module", "run_export"))
+def test_all_stops_at_a_missing_stage_and_keeps_a_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg_of: Cfg
+) -> None:
+    missing = dataclasses.replace(stages.STAGES["export"], entry="hpcsplit.no_such_module:run_export")
+    monkeypatch.setitem(stages.STAGES, "export", missing)
     lines: list[str] = []
     with pytest.raises(LaunchError) as ei:
-        launch.main({**_cfg(), "stage": "all"}, tmp_path, echo=lines.append)
+        launch.main(cfg_of(stage="all"), tmp_path, echo=lines.append)
     assert "stage=export is not available" in str(ei.value) and f"resume={tmp_path}" in str(ei.value)
     assert "FAILED" in (tmp_path / "summary.md").read_text()
     assert any(str(tmp_path / "summary.md") in x for x in lines)  # says where the summary is
+
+
+def test_hydra_slurm_presets_read_the_clusters_slurm_block(tmp_path: Path) -> None:
+    """One SLURM block per site: the Hydra presets take their options from cluster.slurm."""
+
+    def show(*overrides: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hpcsplit", "--cfg", "all", "--resolve", *overrides],
+                              check=False, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    res = show("hydra/launcher=slurm_perlmutter", "cluster=perlmutter", "cluster.slurm.account=m1234")
+    assert res.returncode == 0, res.stderr
+    launcher = res.stdout.split("\n  launcher:\n", 1)[1].split("\n  sweeper:", 1)[0]
+    for line in ("cpus_per_task: 128", "gpus_per_node: 4", "timeout_min: 30", "qos: regular", "constraint: gpu",
+                 "account: m1234", "- export MPICH_GPU_SUPPORT_ENABLED=0"):
+        assert line in launcher, (line, launcher)
+    res = show("hydra/launcher=slurm_dev")  # cluster=local: no slurm block to read
+    assert res.returncode != 0 and "cluster='local' has no slurm block" in res.stderr
+
+
+def test_cluster_slurm_resolver() -> None:
+    root = {"cluster": {"name": "dev", "slurm": {"tasks_per_node": 4, "cpus_per_task": 2, "qos": None}}}
+    assert launch.cluster_slurm("node_cpus", root) == 8 and launch.cluster_slurm("qos", root) is None
+    assert launch.cluster_slurm("qos", {}) is None  # Hydra's own config, composed before the run's
+    with pytest.raises(ConfigError, match="has no slurm block"):
+        launch.cluster_slurm("qos", {"cluster": {"name": "local", "slurm": None}})

@@ -8,7 +8,7 @@ import networkx as nx
 import pytest
 
 from hpcsplit.errors import PartitionError
-from hpcsplit.partition import _idom, component_graph, find_regions, partition
+from hpcsplit.switchboard.regions import _idom, component_graph, find_regions, partition
 
 
 def _graph(edges: list[tuple[str, str]], work: dict[str, float] | None = None, **attrs: dict) -> nx.DiGraph:

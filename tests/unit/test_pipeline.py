@@ -1,7 +1,7 @@
 """stage=all orchestration without MPI: which stages run, which are skipped, what a failure leaves.
 
 The stages are replaced by fakes that write their outputs where the real ones do
-(``[Note: pipeline manifest]`` in hpcsplit/pipeline.py); the real pipeline runs in
+(``[Note: pipeline manifest]`` in hpcsplit/launch/pipeline.py); the real pipeline runs in
 tests/integration/test_bad_inputs.py and tests/slurm/test_pipeline_slurm.py.
 """
 
@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 
-from hpcsplit import pipeline
-from hpcsplit.config import rewrite_argv, validate
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.settings import group_defaults
 from hpcsplit.errors import ConfigError, LaunchError
+from hpcsplit.launch import pipeline
+from hpcsplit.launch.config import rewrite_argv, validate
 
 CFG: dict[str, Any] = {
     "stage": "all",
@@ -220,7 +222,7 @@ def test_resume_shortcut() -> None:
 
 
 def _plan(nodes_of_ranks: list[int], kind: str = "cpu") -> Any:
-    from hpcsplit.runtime.plan import Plan, RankEntry
+    from hpcsplit.core.plan import Plan, RankEntry
 
     ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
     for r, node in enumerate(nodes_of_ranks[1:], start=1):
@@ -231,29 +233,32 @@ def _plan(nodes_of_ranks: list[int], kind: str = "cpu") -> Any:
 
 
 def test_sbatch_script_shapes(tmp_path: Path) -> None:
-    from hpcsplit.sbatch import sbatch_script
+    from hpcsplit.launch.sbatch import sbatch_script
 
-    cfg = {"cluster": {"gpus_per_node": 4, "slurm": {"account": "m1234", "time_min": 15, "cpus_per_task": 32,
-                                                     "srun_mpi": "pmi2", "setup": ["export A=1"]}}}
-    even = sbatch_script(_plan([0, 0, 1, 1], "cuda"), cfg, tmp_path / "c.json", tmp_path, "bench", python="py")
+    gpu = ClusterSpec.from_config({
+        **group_defaults("cluster", "perlmutter"),
+        "slurm": {"account": "m1234", "time_min": 15, "cpus_per_task": 32, "srun_mpi": "pmi2", "setup": ["export A=1"]},
+    })
+    even = sbatch_script(_plan([0, 0, 1, 1], "cuda"), gpu, tmp_path / "c.json", tmp_path, "bench", python="py")
     assert "#SBATCH --nodes=2 " in even and "#SBATCH --ntasks=4 " in even and "#SBATCH --ntasks-per-node=2 " in even
     assert "#SBATCH --gpus-per-node=4 " in even and "#SBATCH --cpus-per-task=32 " in even
     assert "#SBATCH --account=m1234 " in even and "#SBATCH --time=15 " in even and "export A=1" in even
-    assert 'srun --mpi="$SLURM_MPI_TYPE" --kill-on-bad-exit=1' in even and "hpcsplit.runtime.worker:mpi_main" in even
-    uneven = sbatch_script(_plan([0, 0, 0, 1]), {"cluster": {}}, tmp_path / "c.json", tmp_path, python="py")
+    assert 'srun --mpi="$SLURM_MPI_TYPE" --kill-on-bad-exit=1' in even and "hpcsplit.runtime.stage:mpi_main" in even
+    cpu = ClusterSpec.from_config(group_defaults("cluster", "local"))
+    uneven = sbatch_script(_plan([0, 0, 0, 1]), cpu, tmp_path / "c.json", tmp_path, python="py")
     assert "--ntasks-per-node" not in uneven.split("SLURM_HOSTFILE")[0].replace("# ranks per node differ", "")
     assert "COUNTS=(3 1)" in uneven and "--distribution=arbitrary" in uneven
     assert "#SBATCH --cpus-per-task=2 " in uneven and "##SBATCH --gpus-per-node" in uneven
 
 
 def test_run_sbatch_needs_a_plan(tmp_path: Path) -> None:
-    from hpcsplit.sbatch import run_sbatch
+    from hpcsplit.launch.sbatch import run_sbatch
 
     with pytest.raises(ConfigError, match="needs a plan"):
         run_sbatch({"plan": str(tmp_path / "none.json")}, tmp_path)
     _plan([0, 0]).save(tmp_path / "plan.json")
     (tmp_path / "switchboard").mkdir()
-    out = run_sbatch({"plan": str(tmp_path / "plan.json"), "cluster": {}}, tmp_path)
+    out = run_sbatch({"plan": str(tmp_path / "plan.json"), "cluster": group_defaults("cluster", "local")}, tmp_path)
     text = Path(out["script"]).read_text()
     assert out["world_size"] == 2 and "#SBATCH --ntasks=2 " in text
     job_cfg = json.loads(Path(out["cfg"]).read_text())

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from hpcsplit.core.plan import PLAN_SCHEMA_VERSION, Plan, RankEntry, device_key
 from hpcsplit.errors import PlanError
-from hpcsplit.runtime.plan import PLAN_SCHEMA_VERSION, Plan, RankEntry, device_key
 
 
 def _plan(**kw) -> Plan:

@@ -13,13 +13,10 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcsplit.core.profile_format import SCHEMA_VERSION, read_profile
+from hpcsplit.core.profile_writer import ProfileWriter
 from hpcsplit.errors import ProfileError, ProfileFormatError
-from hpcsplit.profile_io import (
-    SCHEMA_VERSION,
-    ProfileWriter,
-    read_profile,
-)
-from hpcsplit.profiling import profile_components
+from hpcsplit.profiling.runner import profile_components
 from tests.unit.profile_toys import ToySwitchboard
 
 REPO = Path(__file__).resolve().parents[2]

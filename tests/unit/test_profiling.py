@@ -6,19 +6,28 @@ import csv
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from hpcsplit.analyze import run_analyze
+from hpcsplit.core.profile_format import read_profile
+from hpcsplit.core.settings import group_defaults
 from hpcsplit.errors import ConfigError, ProfileError
-from hpcsplit.profile_io import read_profile
-from hpcsplit.profiling import ProfileSettings, default_batch_sizes, measure_callable, profile_components
+from hpcsplit.profiling.measure import measure_callable
+from hpcsplit.profiling.runner import default_batch_sizes, profile_components, profile_components_mpi
+from hpcsplit.profiling.stage import SETTINGS, AnalyzeSettings, ProfileSettings, run_analyze
 from tests.unit.profile_toys import ToySwitchboard
 
 GRID = {"batch_sizes": [1, 2, 4, 8], "slices": [1, 2], "warmup": 1, "iters": 3, "progress": False}
+
+
+def _profile(**over: object) -> dict[str, object]:
+    """The ``profile`` group of conf/profile/default.yaml with ``over`` changed."""
+    return {**group_defaults("profile"), **over}
 
 
 def test_default_batch_sizes() -> None:
@@ -30,30 +39,43 @@ def test_default_batch_sizes() -> None:
 def test_settings_from_config_defaults_come_from_the_cluster() -> None:
     s = ProfileSettings.from_config(
         {
-            "profile": {"max_batch": 4, "device": "cpu"},
+            "profile": _profile(max_batch=4, device="cpu"),
             "cluster": {"cpu_threads": [1, 2, 4], "cores_per_node": 8},
         }
     )
     assert s.batch_sizes == (1, 2, 4) and s.slices == (1.0, 2.0, 4.0) and s.device_kind == "cpu"
     assert s.cores_per_node == 8 and s.warmup == 2 and s.iters == 10
-    s2 = ProfileSettings.from_config({"profile": {"threads": [3], "batch_sizes": [2, 5], "device": "cpu"}})
+    s2 = ProfileSettings.from_config({"profile": _profile(threads=[3], batch_sizes=[2, 5], device="cpu")})
     assert s2.slices == (3.0,) and s2.batch_sizes == (2, 5)
+    assert SETTINGS["profile"] is ProfileSettings
 
 
 def test_settings_list_every_problem_at_once() -> None:
     with pytest.raises(ConfigError) as ei:
         ProfileSettings.from_config(
-            {"profile": {"device": "tpu", "batch_sizes": [4, 2], "threads": [1.5], "iters": 0}}
+            {"profile": _profile(device="tpu", batch_sizes=[4, 2], threads=[1.5], iters=0, itres=3)}
         )
     msg = str(ei.value)
-    for part in ("profile.device='tpu'", "profile.batch_sizes=[4, 2]", "whole thread counts", "iters=0"):
-        assert part in msg
+    for part in ("profile.device = 'tpu'", "profile.batch_sizes = [4, 2]", "whole thread counts",
+                 "profile.iters = 0", "profile.itres is not a setting (did you mean 'iters'?)"):
+        assert part in msg, msg
+
+
+@pytest.mark.parametrize("cluster", ["local", "dev"])
+def test_settings_from_the_composed_config(cluster: str, compose: Any, tmp_path: Path) -> None:
+    cfg = compose(f"cluster={cluster}", "profile.device=cpu", "+experiment=toy")
+    s = ProfileSettings.from_config(cfg)
+    assert s.batch_sizes == default_batch_sizes(cfg["profile"]["max_batch"])
+    assert s.slices == tuple(float(t) for t in cfg["cluster"]["cpu_threads"]) and s.device_kind == "cpu"
+    assert AnalyzeSettings.from_config(cfg).analysis_dir is None
+    with pytest.raises(ConfigError, match="profile.analysis_dri is not a setting .did you mean 'analysis_dir'"):
+        run_analyze({**cfg, "profile": {**cfg["profile"], "analysis_dri": "x"}}, tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_requested_without_cuda_says_so() -> None:
     with pytest.raises(ConfigError, match="torch.cuda.is_available\\(\\) is False"):
-        ProfileSettings.from_config({"profile": {"device": "cuda"}})
+        ProfileSettings.from_config({"profile": _profile(device="cuda")})
 
 
 def test_measure_callable_on_a_plain_callable() -> None:
@@ -91,7 +113,7 @@ def test_measure_callable_records_oom_and_propagates_other_errors() -> None:
 
 
 def test_measure_callable_abandons_the_cell_when_asked_to_stop() -> None:
-    from hpcsplit._profile_measure import CellAbandoned
+    from hpcsplit.core.device import CellAbandoned
 
     calls: list[int] = []
 
@@ -106,7 +128,7 @@ def test_measure_callable_abandons_the_cell_when_asked_to_stop() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")
 def test_nvml_sampler_without_gpu_gives_nan() -> None:
-    from hpcsplit._profile_measure import _NvmlSampler
+    from hpcsplit.core.device import NvmlSampler as _NvmlSampler
 
     with _NvmlSampler(0, 5.0) as s:
         pass
@@ -180,7 +202,7 @@ def test_analyze_writes_tables_and_plots(tmp_path: Path) -> None:
 
 
 def test_assign_rows_gives_whole_rows_and_balances() -> None:
-    from hpcsplit.profiling import _assign_rows
+    from hpcsplit.profiling.runner import _assign_rows
 
     missing = [(n, b, s) for n in ("big", "small") for s in range(2) for b in range(3)]
     share = _assign_rows(missing, 2, {"big": 10.0, "small": 1.0}, [1.0, 2.0], "cpu")
@@ -193,8 +215,7 @@ def test_assign_rows_gives_whole_rows_and_balances() -> None:
 
 
 def test_mpi_stage_merges_part_files_left_by_a_killed_job(tmp_path: Path) -> None:
-    from hpcsplit._mpi import MPI
-    from hpcsplit.profiling import profile_components_mpi
+    from hpcsplit.core.mpi import MPI
 
     out = tmp_path / "profile.h5"
     grid = {**GRID, "batch_sizes": [1, 2]}
@@ -204,7 +225,7 @@ def test_mpi_stage_merges_part_files_left_by_a_killed_job(tmp_path: Path) -> Non
     profile_components(ToySwitchboard(), out=part, cells=[("head", 0, 1), ("head", 1, 1)], **grid)
     before = read_profile(part, allow_incomplete=True).components["head"].latency_ms[:, 1].copy()
     s = ProfileSettings.from_config(
-        {"profile": {"batch_sizes": [1, 2], "threads": [1, 2], "warmup": 1, "iters": 3, "progress": False}}
+        {"profile": _profile(batch_sizes=[1, 2], threads=[1, 2], warmup=1, iters=3, progress=False)}
     )
     res = profile_components_mpi(ToySwitchboard(), s, out, comm=MPI.COMM_SELF)
     assert res is not None and res["complete"] and res["cells_measured_now"] == 8 - 3
@@ -215,30 +236,28 @@ def test_mpi_stage_merges_part_files_left_by_a_killed_job(tmp_path: Path) -> Non
 
 def test_profile_job_is_checkpointable() -> None:
     pytest.importorskip("submitit")
-    from hpcsplit.profiling import ProfileJob
+    from hpcsplit.launch.slurm import ProfileJob
 
     job = ProfileJob("tests.unit.profile_toys:main")
-    delayed = job.checkpoint("hpcsplit.profiling:mpi_main", {"a": 1}, "/tmp/run")
+    delayed = job.checkpoint("hpcsplit.profiling.stage:mpi_main", {"a": 1}, "/tmp/run")
     assert delayed.function is job
-    assert delayed.args == ("hpcsplit.profiling:mpi_main", {"a": 1}, "/tmp/run")
+    assert delayed.args == ("hpcsplit.profiling.stage:mpi_main", {"a": 1}, "/tmp/run")
 
 
 # ------------------------------------------------------------------------ real switchboards (toy, tiny CLIP)
 
-_HAS_SB = importlib.util.find_spec("hpcsplit.switchboard") is not None
+_HAS_SB = importlib.util.find_spec("hpcsplit.switchboard.reader") is not None
 
 
-@pytest.mark.skipif(not _HAS_SB, reason="hpcsplit.switchboard not available")
-@pytest.mark.parametrize("model", ["toy", "tiny_clip"])
-def test_profile_real_switchboard(tmp_path: Path, model: str) -> None:
-    from tests.unit.profile_toys import export_switchboard
-
-    sb_dir = export_switchboard(model, tmp_path / "sb")
+@pytest.mark.skipif(not _HAS_SB, reason="hpcsplit.switchboard.reader not available")
+@pytest.mark.parametrize("model", ["toy_mlp", "clip_tiny"])
+def test_profile_real_switchboard(tmp_path: Path, model: str, switchboards: Callable[..., Path]) -> None:
+    sb_dir = switchboards(model, dims=(16, 32, 4)) if model == "toy_mlp" else switchboards(model)
     out = tmp_path / "profile.h5"
     summary = profile_components(sb_dir, out=out, **{**GRID, "batch_sizes": [1, 2], "slices": [1]})
     assert summary["complete"]
     prof = read_profile(out)
-    from hpcsplit.switchboard import Switchboard
+    from hpcsplit.switchboard.reader import Switchboard
 
     sb = Switchboard.load(sb_dir)
     assert prof.meta.switchboard_sha256 == sb.sha256

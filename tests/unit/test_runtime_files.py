@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hpcsplit.errors import RuntimeStageError
-from hpcsplit.runtime.session import host_row, read_inputs, write_outputs
+from hpcsplit.runtime.batch_files import host_row, read_inputs, write_outputs
 
 
 def test_read_npz_by_name_and_position(tmp_path: Path) -> None:

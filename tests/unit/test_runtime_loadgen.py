@@ -60,7 +60,7 @@ def test_summary_reports_the_run_critical_path() -> None:
 
 
 def test_in_run_batch1_compute_keeps_the_window_and_the_variant() -> None:
-    from hpcsplit.runtime.bench import in_run_batch1_ms
+    from hpcsplit.runtime.benchmark import in_run_batch1_ms
 
     batch1 = {("split", "vision"): [(10.0, 100.0), (11.0, 120.0), (50.0, 900.0),  # the 900 is outside the window
                                     (12.0, 140.0)],  # (replicas pooled)

@@ -6,35 +6,35 @@ Re-record after an intended change:  HPCSPLIT_RECORD_GOLDEN=1 .venv/bin/python -
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import yaml
+import pytest
 
-from hpcsplit import _slurm
-from hpcsplit.config import validate
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.launch import slurm as _slurm
+from hpcsplit.launch.config import validate
 
-REPO = Path(__file__).resolve().parents[2]
 RECORD = Path(__file__).parent / "data" / "sbatch_perlmutter_profile.txt"
 
 
-def _perlmutter_cfg() -> dict:
-    cluster = yaml.safe_load((REPO / "conf/cluster/perlmutter.yaml").read_text())
-    cluster["slurm"]["account"] = "m1234"
-    launcher = yaml.safe_load((REPO / "conf/launcher/slurm.yaml").read_text())
-    return {"stage": "profile", "launcher": launcher, "cluster": cluster}
-
-
-def test_perlmutter_sbatch_text_matches_record() -> None:
-    cfg = _perlmutter_cfg()
+@pytest.fixture
+def perlmutter(compose: Callable[..., dict[str, Any]]) -> ClusterSpec:
+    cfg = compose("stage=profile", "launcher=slurm", "cluster=perlmutter", "cluster.slurm.account=m1234")
     validate(cfg)
-    text = _slurm.sbatch_text(cfg, "profile", None, "/pscratch/run/slurm", python="python")
+    return ClusterSpec.from_config(cfg["cluster"])
+
+
+def test_perlmutter_sbatch_text_matches_record(perlmutter: ClusterSpec) -> None:
+    text = _slurm.sbatch_text(perlmutter, "profile", None, "/pscratch/run/slurm", python="python")
     if os.environ.get("HPCSPLIT_RECORD_GOLDEN"):
         RECORD.write_text(text)
     assert text == RECORD.read_text()
 
 
-def test_perlmutter_sbatch_has_the_options_that_matter() -> None:
-    text = _slurm.sbatch_text(_perlmutter_cfg(), "profile", None, "/pscratch/run/slurm", python="python")
+def test_perlmutter_sbatch_has_the_options_that_matter(perlmutter: ClusterSpec) -> None:
+    text = _slurm.sbatch_text(perlmutter, "profile", None, "/pscratch/run/slurm", python="python")
     for line in (
         "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=4",
@@ -52,6 +52,6 @@ def test_perlmutter_sbatch_has_the_options_that_matter() -> None:
     assert "#SBATCH --partition" not in text  # null keys are left out
 
 
-def test_uneven_rank_count_sets_ntasks() -> None:
-    text = _slurm.sbatch_text(_perlmutter_cfg(), "serve", 7, "/x", python="python")
+def test_uneven_rank_count_sets_ntasks(perlmutter: ClusterSpec) -> None:
+    text = _slurm.sbatch_text(perlmutter, "serve", 7, "/x", python="python")
     assert "#SBATCH --ntasks=7" in text and "#SBATCH --ntasks-per-node=4" in text

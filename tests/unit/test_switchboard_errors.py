@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import hpcsplit
-from hpcsplit._layout import sha256_file
-from hpcsplit.capture import capture
 from hpcsplit.errors import CaptureError, SwitchboardError, VerificationError
-from hpcsplit.models import build_toy, example_inputs
-from hpcsplit.switchboard import Switchboard
+from hpcsplit.switchboard.graph import capture
+from hpcsplit.switchboard.layout import sha256_file
+from hpcsplit.switchboard.models import build_toy, example_inputs
+from hpcsplit.switchboard.reader import Switchboard
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""CPU time-sharing: replicas of the bottleneck on an oversubscribed node (hpcsplit/_timeshare.py)."""
+"""CPU time-sharing: replicas of the bottleneck on an oversubscribed node (hpcsplit/allocation/timeshare.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from hpcsplit._allocate_options import Option
-from hpcsplit._allocate_plan import validate_plan
-from hpcsplit._timeshare import FRONTEND_S_PER_REQUEST, add_timeshared_replicas, pipeline_rate
-from hpcsplit.allocate import Replica, allocate
-from hpcsplit.bench.allocate import make_profile
-from hpcsplit.cluster import ClusterSpec
+from hpcsplit.allocation.results import Option, Replica
+from hpcsplit.allocation.solve import allocate
+from hpcsplit.allocation.synthetic import make_profile
+from hpcsplit.allocation.timeshare import FRONTEND_S_PER_REQUEST, add_timeshared_replicas, pipeline_rate
+from hpcsplit.allocation.to_plan import validate_plan
+from hpcsplit.core.cluster import ClusterSpec
 
 # a CLIP-like CPU profile: ms at batch 1 with one thread (vision ~0.7 of the whole, head almost free)
 CLIP_MS = {"vision": 118.0, "text": 43.0, "head": 0.2}

@@ -1,0 +1,291 @@
+"""Read a *switchboard* (verified component programs plus their wiring): :class:`Switchboard`.
+
+``Switchboard.load`` reads the directory of [Note: switchboard layout] (docs/architecture.md) that
+:func:`hpcsplit.switchboard.writer.export` wrote, checking the hash of every file it reads; it loads one
+component's program at a time, runs the components in order, and verifies them on the golden inputs.
+"""
+
+from __future__ import annotations
+
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export.passes import move_to_device_pass
+from torch.utils import _pytree as pytree
+
+from hpcsplit.errors import SwitchboardError, VerificationError
+from hpcsplit.switchboard import layout as L
+from hpcsplit.switchboard.split import run_pieces
+from hpcsplit.switchboard.verify import VerifyReport, compare_outputs, tile_batch
+
+__all__ = ["ComponentSpec", "Switchboard", "VerifyReport"]
+
+ComponentSpec = L.ComponentSpec
+DEFAULT_ATOL = L.DEFAULT_ATOL
+DEFAULT_RTOL = L.DEFAULT_RTOL
+_LAYOUT = L.LAYOUT_FILE
+_GOLDEN = L.GOLDEN_FILE
+
+
+class Switchboard:
+    """A loaded switchboard directory (see [Note: switchboard layout]).
+
+    Use :meth:`load`; calling the object runs the components in order and returns what the model
+    returns.
+    """
+
+    def __init__(
+        self, path: Path, layout: L.Layout, layout_sha256: str, golden: dict[str, torch.Tensor]
+    ) -> None:
+        self.path = path
+        self.layout = layout
+        self.sha256 = layout_sha256
+        self.model_name = layout.model
+        self.components: dict[str, L.ComponentSpec] = {c.name: c for c in layout.components}
+        self.order: tuple[str, ...] = layout.order
+        self.edges: tuple[L.Edge, ...] = layout.edges
+        self._golden = golden
+        self._loaded: dict[str, Callable[..., tuple[torch.Tensor, ...]]] = {}
+        self._in_spec = pytree.treespec_loads(layout.input_spec)
+        self._out_spec = pytree.treespec_loads(layout.output_spec)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | Path, *, check_all: bool = False) -> Switchboard:
+        """Open a switchboard directory.
+
+        ``layout.json`` is validated and the golden file hashed; program files must exist with
+        their recorded sizes and are hashed when read (all of them now with ``check_all``).
+        Nothing is unpickled.
+
+        Raises
+        ------
+        SwitchboardError
+            Naming the missing, malformed, tampered or mismatched file.
+        """
+        root = Path(path)
+        layout_path = root / _LAYOUT
+        layout = L.read_layout(layout_path)
+        digest = L.sha256_file(layout_path)
+        for c in layout.components:
+            L.check_file(root, c, f"program of component {c.name!r}", full=check_all)
+        L.check_file(root, layout.whole, "whole-model program", full=check_all)
+        gpath = L.check_file(root, layout.golden, "golden", full=True)
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            golden = load_file(str(gpath))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise SwitchboardError(f"golden file {gpath} cannot be read ({e}); re-run the export") from e
+        return cls(root, layout, digest, golden)
+
+    def _load_program(self, rel: str, ref: L.FileRef | L.ComponentSpec, what: str) -> Any:
+        path = L.check_file(self.path, ref, what, full=True)
+        _refuse_pickles(path, what)
+        try:
+            ep = torch.export.load(str(path))
+        except Exception as e:
+            raise SwitchboardError(f"{what} file {path} cannot be loaded by torch.export.load: {e}") from e
+        return ep
+
+    def load_component(
+        self, name: str, device: str | torch.device | None = None
+    ) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """The program of one component: positional tensors (``spec.inputs`` order) -> tuple of tensors.
+
+        Only that component's program is read (and its hash checked). With ``device`` the program
+        is moved there (``torch.export.passes.move_to_device_pass``); inputs must be on it too.
+        """
+        if name not in self.components:
+            raise SwitchboardError(f"found no component {name!r}; components: {list(self.components)}")
+        key = self._cache_key(name, device)
+        if key not in self._loaded:
+            spec = self.components[name]
+            ep = self._load_program(spec.program, spec, f"program of component {name!r}")
+            n_in = sum(1 for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT")
+            if n_in != len(spec.inputs):
+                raise SwitchboardError(
+                    f"program {self.path / spec.program} takes {n_in} inputs; layout.json records "
+                    f"{len(spec.inputs)} for {name!r}; the file belongs to another export; re-run the export"
+                )
+            mod = _on_device(ep, device).module()
+
+            def run(*xs: torch.Tensor, _m: Any = mod) -> tuple[torch.Tensor, ...]:
+                out = _m(*xs)
+                return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+            self._loaded[key] = run
+        return self._loaded[key]
+
+    def unload(self, name: str, device: str | torch.device | None = None) -> bool:
+        """Forget the program :meth:`load_component` cached for ``name`` on ``device``.
+
+        The cache holds the program's parameters (on a GPU: device memory) for as long as the
+        switchboard lives; a caller that is done with a component drops them here.  Returns whether
+        one was cached.
+        """
+        return self._loaded.pop(self._cache_key(name, device), None) is not None
+
+    @staticmethod
+    def _cache_key(name: str, device: str | torch.device | None) -> str:
+        return f"{name}@{device}" if device is not None else name
+
+    def load_whole(self, device: str | torch.device | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """The unsplit model: flat inputs (model input order) -> flat outputs (model output order)."""
+        ep = self._load_program(self.layout.whole.file, self.layout.whole, "whole-model program")
+        mod = _on_device(ep, device).module()
+        in_spec = self._in_spec
+
+        def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            args, kwargs = pytree.tree_unflatten(list(xs), in_spec)
+            return tuple(pytree.tree_flatten(mod(*args, **kwargs))[0])
+
+        return run
+
+    # ------------------------------------------------------------------ inputs
+    @property
+    def golden_batch_size(self) -> int:
+        return self.layout.golden_batch_size
+
+    def example_inputs(self, batch_size: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Flat model inputs (the golden ones, tiled along the batch dims to ``batch_size``)."""
+        bs = batch_size or self.golden_batch_size
+        return tuple(tile_batch(self._golden[f"input.{t.name}"], t.batch_dims, bs) for t in self.layout.inputs)
+
+    def component_example_inputs(self, batch_size: int | None = None) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Real activations for every component's inputs, tiled along the batch dims to ``batch_size``."""
+        bs = batch_size or self.golden_batch_size
+        out = {}
+        for c in self.layout.components:
+            out[c.name] = tuple(tile_batch(self._value(t.name), t.batch_dims, bs) for t in c.inputs)
+        return out
+
+    def _value(self, name: str) -> torch.Tensor:
+        for key in (f"act.{name}", f"input.{name}"):
+            if key in self._golden:
+                return self._golden[key]
+        raise SwitchboardError(f"golden file {self.path / _GOLDEN} has no value {name!r}; re-run the export")
+
+    def golden_outputs(self) -> tuple[torch.Tensor, ...]:
+        """The model's outputs on the golden inputs (from the eager model at export time)."""
+        return tuple(self._golden[f"output.{t.name}"] for t in self.layout.outputs)
+
+    # ------------------------------------------------------------------ running
+    def run_flat(self, flat_inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the components in order on flat model inputs; return flat outputs."""
+        if len(flat_inputs) != len(self.layout.inputs):
+            raise SwitchboardError(
+                f"found {len(flat_inputs)} inputs; needed {len(self.layout.inputs)} "
+                f"({[t.name for t in self.layout.inputs]})"
+            )
+        env = dict(zip((t.name for t in self.layout.inputs), flat_inputs, strict=True))
+        fns = [self.load_component(n) for n in self.order]
+        names = [
+            (tuple(t.name for t in c.inputs), tuple(t.name for t in c.outputs))
+            for c in self.layout.components
+        ]
+        with torch.no_grad():
+            run_pieces(fns, names, env)
+        return tuple(env[v] for v in self.layout.output_values)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the components in order; returns what the model returns (same pytree structure)."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise SwitchboardError(
+                f"found inputs structured as {spec}; needed {self._in_spec} (the model's forward arguments)"
+            )
+        return pytree.tree_unflatten(list(self.run_flat(flat)), self._out_spec)
+
+    def verify(
+        self, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL, *, batch_size: int | None = None
+    ) -> VerifyReport:
+        """Run the components and compare with a reference.
+
+        Without ``batch_size`` (or at the golden batch) the reference is the golden outputs of the
+        eager model; at another batch size it is the whole-model program on tiled golden inputs.
+
+        Raises
+        ------
+        VerificationError
+            When some output differs beyond ``atol + rtol * |reference|``.
+        """
+        t0 = time.perf_counter()
+        bs = batch_size or self.golden_batch_size
+        got = self.run_flat(self.example_inputs(bs))
+        if bs == self.golden_batch_size:
+            ref, what = self.golden_outputs(), "golden"
+        else:
+            with torch.no_grad():
+                ref, what = self.load_whole()(*self.example_inputs(bs)), "whole"
+        cmp = compare_outputs(got, ref, atol, rtol)
+        max_abs, max_rel = cmp.max_abs_diff, cmp.max_rel_diff
+        rep = VerifyReport(bs, max_abs, max_rel, atol, rtol, cmp.passed, what, time.perf_counter() - t0)
+        if not cmp.passed:
+            raise VerificationError(
+                f"switchboard {self.path}: components differ from the {what} outputs at batch {bs}: "
+                f"max abs diff {max_abs:.3g}, max rel diff {max_rel:.3g}; needed within atol={atol:g}, "
+                f"rtol={rtol:g}; re-export, or loosen verify.atol/verify.rtol if the model is not fp32"
+            )
+        return rep
+
+    def table(self) -> str:
+        """A text table of the components: name, parameters, inputs -> outputs, bytes per sample."""
+        rows = [("component", "params", "inputs -> outputs", "in B/sample", "out B/sample")]
+        for c in self.layout.components:
+            rows.append(
+                (
+                    c.name,
+                    _human(c.param_bytes),
+                    f"{', '.join(t.name for t in c.inputs)} -> {', '.join(t.name for t in c.outputs)}",
+                    str(c.input_bytes_per_sample),
+                    str(c.output_bytes_per_sample),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+    def __repr__(self) -> str:
+        return f"Switchboard({str(self.path)!r}, model={self.model_name!r}, components={list(self.order)})"
+
+
+def _refuse_pickles(path: Path, what: str) -> None:
+    """Refuse a program archive that carries pickled data (``torch.export.load`` would unpickle it).
+
+    hpcsplit saves programs without example inputs, so ``sample_inputs`` entries are empty.
+    """
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickled = [
+                i.filename for i in z.infolist() if "/sample_inputs/" in i.filename and i.file_size > 0
+            ]
+    except (zipfile.BadZipFile, OSError) as e:
+        raise SwitchboardError(
+            f"{what} file {path} is not a torch.export archive ({e}); re-run the export"
+        ) from e
+    if pickled:
+        raise SwitchboardError(
+            f"{what} file {path} carries pickled data ({pickled[0]}); hpcsplit loads no pickles; "
+            "re-export it with hpcsplit.export"
+        )
+
+
+def _on_device(ep: Any, device: str | torch.device | None) -> Any:
+    if device is None or torch.device(device).type == "cpu":
+        return ep
+    return move_to_device_pass(ep, torch.device(device))
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+

@@ -115,6 +115,11 @@ class RunPaths:
         return self.bench_dir / "summary.csv"
 
     @property
+    def bench_levels(self) -> Path:
+        """The bench mode's finished levels, one CSV row appended as each level ends (a killed job keeps them)."""
+        return self.bench_dir / "levels.csv"
+
+    @property
     def slurm_dir(self) -> Path:
         """submitit's folder of job scripts and logs."""
         return self.run_dir / "slurm"

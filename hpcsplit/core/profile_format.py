@@ -385,6 +385,8 @@ def read_profile(path: str | Path, *, allow_incomplete: bool = False) -> Profile
         required attribute or dataset, or is incomplete (unless ``allow_incomplete``).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ProfileFormatError(f"{path} is a folder, not a profile file; pass the profile.h5 inside it.")
     if not path.is_file():
         raise ProfileFormatError(f"profile file {path} does not exist; run the profile stage first.")
     f = open_self_contained(path, lambda msg: ProfileFormatError(msg + ": profile again."), "profile")

@@ -33,7 +33,7 @@ from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.errors import ConfigError, HpcsplitError, LaunchError
 from hpcsplit.launch import slurm as _slurm
-from hpcsplit.launch.config import conf_dir, validate
+from hpcsplit.launch.config import check_plan_on_cluster, conf_dir, plan_roles, validate
 from hpcsplit.launch.local import find_mpiexec, mpiexec_command, mpiexec_flavour, run_mpi_local
 from hpcsplit.launch.pipeline import run_pipeline
 from hpcsplit.launch.probe_table import format_table
@@ -41,6 +41,7 @@ from hpcsplit.launch.stages import (
     STAGES,
     LocalLauncherSettings,
     SlurmLauncherSettings,
+    cluster_spec,
     configured_ranks,
     launcher_settings,
     resolve,
@@ -95,6 +96,17 @@ def _plan_of(stage: str, paths: RunPaths) -> Plan:
     return Plan.load(paths.plan)
 
 
+def _check_switchboard(stage: str, paths: RunPaths) -> None:
+    """Refuse to start ranks for a switchboard folder that is not there (each rank would fail alone)."""
+    sb = paths.switchboard
+    if not sb.is_dir() or not (sb / "layout.json").is_file():
+        given = "switchboard=" + str(sb) if paths.switchboard_given else f"the run folder's {sb.name}/"
+        raise LaunchError(
+            f"stage={stage} needs a switchboard, but {given} is not a switchboard folder (no {sb / 'layout.json'}): "
+            "pass switchboard=PATH (the export's folder) or run stage=export in this run folder first"
+        )
+
+
 def _plan_shape(plan: Plan) -> tuple[int, int]:
     """A plan's ``(nodes, most ranks on one node)`` for the SLURM job shape."""
     per_node = Counter(r.node for r in plan.ranks)
@@ -124,16 +136,18 @@ def run_mpi(
     ranks: int | None,
     echo: Echo = _echo,
     shape: tuple[int, int] | None = None,
+    roles: Mapping[int, str] | None = None,
 ) -> Any:
     """Run an MPI entry point with the configured launcher (local mpiexec or SLURM).
 
-    ``shape`` (a plan's nodes and most ranks per node) only matters under SLURM.
+    ``shape`` (a plan's nodes and most ranks per node) only matters under SLURM; ``roles`` (rank ->
+    what it runs) names a rank that dies under local mpiexec.
     """
     launcher = launcher_settings(cfg)
     if isinstance(launcher, SlurmLauncherSettings):
         return _slurm.run_mpi_slurm(entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape)
     paths = RunPaths.from_config(cfg, run_dir)
-    return run_mpi_local(entry, cfg, paths, stage, ranks or 1, launcher, echo=echo)
+    return run_mpi_local(entry, cfg, paths, stage, ranks or 1, launcher, echo=echo, roles=roles)
 
 
 def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo) -> Any:
@@ -145,13 +159,18 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo
     if fn is not None:
         return fn(cfg, run_dir)
     shape = None
+    roles: dict[int, str] = {}
     if row.ranks == "plan":
-        plan = _plan_of(stage, RunPaths.from_config(cfg, run_dir))
+        paths = RunPaths.from_config(cfg, run_dir)
+        plan = _plan_of(stage, paths)
+        check_plan_on_cluster(plan, cluster_spec(cfg), echo)
+        _check_switchboard(stage, paths)
         ranks: int | None = plan.world_size
         shape = _plan_shape(plan)
+        roles = plan_roles(plan)
     else:
         ranks = _mpi_ranks(stage, cfg, run_dir)
-    result = run_mpi(row.entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape)
+    result = run_mpi(row.entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape, roles=roles)
     if stage == "probe" and isinstance(launcher_settings(cfg), SlurmLauncherSettings) and isinstance(result, list):
         echo(format_table(result))
     return result
@@ -289,5 +308,10 @@ def hydra_main() -> None:
             sys.stdout.flush()
             print(f"hpcsplit: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        except KeyboardInterrupt:  # Ctrl-C in an in-process stage, or while waiting for a SLURM job
+            sys.stdout.flush()
+            print("hpcsplit: interrupted (Ctrl-C); a SLURM job being waited for was cancelled. "
+                  f"Outputs so far are in {run_dir}", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
 
     _app()

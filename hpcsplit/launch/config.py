@@ -10,9 +10,21 @@ are made absolute (``plan=/abs/PATH``) so that SLURM jobs started from another f
 Option names (``profile=default``), ``null``, sweeps (``a,b``) and dotted keys are left alone.
 
 Validation collects every problem of the launch-related config (``stage`` against the stage table,
-the ``launcher`` group through its settings class, ``cluster.slurm`` for ``launcher=slurm``) and of the
-values every stage reads, and raises one :class:`~hpcsplit.errors.ConfigError` before any work starts;
-each stage's ``from_config`` checks its own group again when it runs.
+the ``launcher`` group through its settings class, ``cluster.slurm`` for ``launcher=slurm``), of the
+values every stage reads, and of the *keys* of every group (:func:`key_problems`), and raises one
+:class:`~hpcsplit.errors.ConfigError` before any work starts; each stage's ``from_config`` checks its
+own group again (types, ranges) when it runs.
+
+[Note: up-front key check]
+``python -m hpcsplit`` refuses an unknown key in any group (``+runtime.max_infligth=3``) and at the top
+level (``+sede=1``) before any work, with the closest valid key suggested, as the stage's own settings
+class would when it runs -- but without importing the stage modules (they import torch or mpi4py,
+which the login side must not).  The valid keys of a group are the keys of its option files in
+``conf/<group>/`` (narrowed to the options whose ``name`` matches when the group's options carry one),
+which ``tests/unit/test_settings_keys.py`` keeps equal to the fields of the group's settings
+dataclass; a nested mapping (``cluster.slurm``, ``runtime.trace``) is checked against the union of
+that mapping's keys over the group's options.  Top-level keys are ``conf/config.yaml``'s own keys,
+its groups, ``hydra`` and ``local`` (an optional site file).
 """
 
 from __future__ import annotations
@@ -23,14 +35,24 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcsplit.core.settings import conf_dir
-from hpcsplit.errors import ConfigError
+from hpcsplit.allocation.settings import AllocateSettings
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.plan import Plan
+from hpcsplit.core.settings import closest, conf_dir, group_defaults
+from hpcsplit.errors import ConfigError, PlanError
 from hpcsplit.launch.stages import STAGE_NAMES, launcher_problems
+from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 
 __all__ = [
+    "check_plan_on_cluster",
     "conf_dir",
+    "key_problems",
     "launch_problems",
+    "plan_cluster_problems",
+    "plan_roles",
     "rewrite_argv",
+    "settings_problems",
     "slurm_problems",
     "validate",
     "value_problems",
@@ -267,12 +289,191 @@ def validate(
     ...     print(str(e).splitlines()[0])
     2 config problem(s):
     """
-    errs = launch_problems(cfg)
+    keys = key_problems(cfg)
+    errs = keys + launch_problems(cfg) + settings_problems(cfg, skip={e.split(".")[0] for e in keys})
     for check in checks:
         errs.extend(check(cfg))
+    errs = list(dict.fromkeys(errs))  # a value two checks find is listed once
     if errs:
         lines = "\n".join(f"  - {e}" for e in errs)
         raise ConfigError(
             f"{len(errs)} config problem(s):\n{lines}\n"
             "Fix them on the command line (key=value) or in conf/; `python -m hpcsplit --cfg job` shows the config."
         )
+
+
+# ------------------------------------------------------------------------------------ up-front keys
+
+# Groups whose settings classes import no heavy library, built up front (types and ranges too); the
+# others (model, partition, verify, profile) live in modules that import torch and are built when their
+# stage runs (their unknown keys are still refused up front by key_problems).
+_LIGHT: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "allocate": AllocateSettings.from_config,
+    "paths": lambda cfg: RunPaths.from_config(cfg, "."),
+    "runtime": RuntimeSettings.from_config,
+    "bench": BenchSettings.from_config,
+}
+
+
+def settings_problems(cfg: Mapping[str, Any], skip: Iterable[str] = ()) -> list[str]:
+    """The problems the light settings classes (``_LIGHT``) find, one line each; groups in ``skip`` and
+    groups the config does not have are left out."""
+    errs: list[str] = []
+    skipped = set(skip)
+    for group, read in _LIGHT.items():
+        if group in skipped or not isinstance(cfg.get(group), Mapping):
+            continue
+        try:
+            read(cfg)
+        except ConfigError as e:
+            lines = str(e).split("\n  - ")
+            errs += lines[1:] if len(lines) > 1 and lines[0].rstrip().endswith(":") else [str(e)]
+    return errs
+
+_NOT_GROUPS = ("hydra", "experiment")
+_EXTRA_TOP = ("hydra", "local", "force")  # force: +force=[stage,...] of stage=all
+
+
+def _options_of(group: str, conf: Path) -> dict[str, dict[str, Any]]:
+    """``conf/<group>/*.yaml``: option -> its settings (``defaults`` dropped)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted((conf / group).glob("*.yaml")):
+        try:
+            out[f.stem] = group_defaults(group, f.stem)
+        except ConfigError:
+            continue
+    return out
+
+
+def _top_keys(conf: Path) -> tuple[list[str], list[str]]:
+    """``conf/config.yaml``'s own keys and the groups it composes."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((conf / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read {conf / 'config.yaml'}: {e}") from e
+    groups: list[str] = []
+    for item in data.pop("defaults", None) or []:
+        if isinstance(item, Mapping):
+            for k in item:
+                groups.append(str(k).removeprefix("optional ").removeprefix("override ").strip("/"))
+    return [str(k) for k in data], groups
+
+
+def _unknown(where: str, given: Mapping[str, Any], valid: set[str]) -> list[str]:
+    return [
+        f"{where}{key} is not a setting{closest(str(key), valid)}; valid: {', '.join(sorted(valid))}"
+        for key in sorted(set(map(str, given)) - valid)
+    ]
+
+
+def key_problems(cfg: Mapping[str, Any], conf: Path | None = None) -> list[str]:
+    """Unknown keys at the top level and in every config group (``[Note: up-front key check]``).
+
+    Examples
+    --------
+    >>> key_problems({"runtime": {"max_infligth": 3}})[0].split(";")[0]
+    "runtime.max_infligth is not a setting (did you mean 'max_inflight'?)"
+    >>> key_problems({"sede": 1})[0].split(";")[0]
+    "sede is not a setting (did you mean 'seed'?)"
+    """
+    try:
+        conf = conf or conf_dir()
+    except ConfigError:
+        return []
+    own, groups = _top_keys(conf)
+    folders = {d.name for d in conf.iterdir() if d.is_dir() and d.name not in _NOT_GROUPS}
+    errs = _unknown("", cfg, set(own) | set(groups) | folders | set(_EXTRA_TOP))
+    for group in sorted(folders):
+        node = cfg.get(group)
+        if not isinstance(node, Mapping):
+            continue
+        options = _options_of(group, conf)
+        if not options:
+            continue
+        named = [o for o in options.values() if "name" in o and o.get("name") == node.get("name")]
+        pick = named or list(options.values())
+        errs += _unknown(f"{group}.", node, {str(k) for o in pick for k in o})
+        for key, value in node.items():
+            nested = [o[key] for o in options.values() if isinstance(o.get(key), Mapping) and o[key]]
+            if isinstance(value, Mapping) and nested:
+                errs += _unknown(f"{group}.{key}.", value, {str(k) for n in nested for k in n})
+    return errs
+
+
+# ------------------------------------------------------------------------------ plan on the cluster
+
+
+def plan_roles(plan: Plan) -> dict[int, str]:
+    """MPI rank -> what it runs, for messages: ``{0: 'frontend, node 0', 1: 'component enc, replica 0, node 0'}``."""
+    out = {}
+    for r in plan.ranks:
+        what = "frontend" if r.role == "frontend" else f"component {r.component}, replica {r.replica}"
+        out[r.rank] = f"{what}, node {r.node}" + ("" if r.gpu is None else f", gpu {r.gpu}")
+    return out
+
+
+def plan_cluster_problems(plan: Plan, cluster: ClusterSpec) -> tuple[list[str], list[str]]:
+    """What stops ``plan`` from running on ``cluster`` (refused), and what only makes it slow (warnings).
+
+    Refused: more nodes than the cluster has, a CUDA plan on a CPU cluster, a GPU index the nodes do not
+    have, a slice larger than the GPU's memory, one rank with more threads than a node has cores.
+    Warned (they run, slower or with less headroom than the allocator assumed): the ranks of a node
+    sharing more threads than it has cores (as ``allocate.cpu_oversubscribe`` allows), slices not in
+    ``cluster.slices_gb``, the slices on one GPU adding up to more than its memory.
+    """
+    refuse: list[str] = []
+    warn: list[str] = []
+    name = cluster.name
+    if plan.nodes > cluster.nodes:
+        refuse.append(f"the plan uses {plan.nodes} node(s) but cluster {name!r} has {cluster.nodes}: "
+                      f"allocate for this cluster (stage=allocate cluster={name}) or launch on a larger one")
+    if plan.device_kind == "cuda" and not cluster.is_gpu:
+        refuse.append(f"the plan is for GPUs (device_kind cuda) but cluster {name!r} has none "
+                      "(gpus_per_node 0): allocate a CPU plan here, or pick the GPU cluster (cluster=...)")
+    threads: dict[int, int] = {}
+    per_gpu: dict[tuple[int, int], float] = {}
+    for r in plan.ranks:
+        where = f"plan rank {r.rank} ({r.component or r.role}, node {r.node})"
+        threads[r.node] = threads.get(r.node, 0) + int(r.threads)
+        if r.threads > cluster.cores_per_node:
+            refuse.append(f"{where} asks for {r.threads} threads but a node of {name!r} has "
+                          f"{cluster.cores_per_node} cores")
+        if r.gpu is None or not cluster.is_gpu:
+            continue
+        if not 0 <= r.gpu < cluster.gpus_per_node:
+            refuse.append(f"{where} uses gpu {r.gpu} but the nodes of {name!r} have {cluster.gpus_per_node} "
+                          f"(0..{cluster.gpus_per_node - 1})")
+        if r.slice_gb is not None:
+            if r.slice_gb > cluster.gpu_mem_gb:
+                refuse.append(f"{where}: slice {r.slice_gb:g} GB is larger than the {cluster.gpu_mem_gb:g} GB "
+                              f"of a GPU of {name!r}")
+            elif cluster.slices_gb and r.slice_gb not in cluster.slices_gb:
+                warn.append(f"{where}: slice {r.slice_gb:g} GB is not one of cluster.slices_gb "
+                            f"{list(cluster.slices_gb)}")
+            per_gpu[(r.node, r.gpu)] = per_gpu.get((r.node, r.gpu), 0.0) + float(r.slice_gb)
+    for node, n in sorted(threads.items()):
+        if n > cluster.cores_per_node:
+            warn.append(f"node {node}: the plan's ranks use {n} threads on {cluster.cores_per_node} cores "
+                        "(oversubscribed: they share cores and run slower than predicted)")
+    for (node, gpu), gb in sorted(per_gpu.items()):
+        if gb > cluster.gpu_mem_gb + 1e-9:
+            warn.append(f"node {node} gpu {gpu}: the plan's slices add up to {gb:g} GB on a {cluster.gpu_mem_gb:g} "
+                        "GB GPU (ranks may run out of memory)")
+    return refuse, warn
+
+
+def check_plan_on_cluster(plan: Plan, cluster: ClusterSpec, echo: Callable[[str], None] = print) -> None:
+    """Refuse a plan that cannot run on ``cluster``; echo a warning for each thing that only slows it.
+
+    Raises
+    ------
+    PlanError
+        Listing every reason the plan cannot run here.
+    """
+    refuse, warn = plan_cluster_problems(plan, cluster)
+    for w in warn:
+        echo(f"[hpcsplit] warning: {w}")
+    if refuse:
+        raise PlanError(f"this plan cannot run on cluster {cluster.name!r}:\n  - " + "\n  - ".join(refuse))

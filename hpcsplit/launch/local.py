@@ -8,8 +8,10 @@ forked on this node (:func:`_local_env`).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,16 +19,17 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
 
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.errors import LaunchError
+from hpcsplit.launch.proctree import JobTree
 from hpcsplit.launch.stages import LocalLauncherSettings
 
-__all__ = ["find_mpiexec", "mpiexec_command", "mpiexec_flavour", "run_mpi_local"]
+__all__ = ["dead_ranks", "find_mpiexec", "mpiexec_command", "mpiexec_flavour", "run_mpi_local"]
 
 Echo = Callable[[str], None]
 
@@ -141,17 +144,131 @@ def _pump(src: IO[str], sinks: list[IO[str]], keep: deque[str] | None) -> None:
             keep.append(line.rstrip("\n"))
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+class _Stopped(Exception):
+    """SIGTERM or SIGINT reached the login-side process while a job ran."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _install_handlers() -> dict[int, Any] | None:
+    """SIGTERM and SIGINT raise :class:`_Stopped` (main thread only); the previous handlers, to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    old: dict[int, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
+            old[sig] = signal.signal(sig, _raise_stopped)
+        except (ValueError, OSError):
+            pass
+    return old
+
+
+def _restore_handlers(old: dict[int, Any] | None) -> None:
+    for sig, handler in (old or {}).items():
         try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            signal.signal(sig, handler)
+        except (ValueError, OSError, TypeError):
+            pass
+
+
+def _stop(proc: subprocess.Popen[str], tree: JobTree, grace_s: float, echo: Echo | None = None) -> None:
+    """SIGTERM to the job (mpiexec forwards it to every rank), ``grace_s`` for it to finish, then SIGKILL
+    to every process of the tree (``[Note: job process tree]``).  A second signal skips the grace."""
+    if proc.poll() is None:
+        if echo is not None:
+            echo(f"[hpcsplit] sending SIGTERM to the job; SIGKILL in {grace_s:g} s (launcher.grace_s)")
+        try:
+            tree.refresh()
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except (subprocess.TimeoutExpired, _Stopped, KeyboardInterrupt):
+            pass
+    tree.kill(signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 5
+    while tree.alive() and time.monotonic() < deadline:  # SIGKILL is not instant
+        time.sleep(0.05)
+
+
+_MPICH_DEAD = re.compile(r"PID (\d+) RUNNING AT (\S+)")
+_MPICH_EXIT = re.compile(r"EXIT CODE: (\d+)")
+_MPICH_SIGNAL = re.compile(r"\(signal (\d+)\)")
+_OMPI_DEAD = re.compile(r"process rank (\d+) with PID (\d+) on node (\S+) exited on signal (\d+)")
+
+
+def _how(sig: int | None) -> str:
+    if not sig:
+        return "ended"
+    try:
+        return f"was killed by {signal.Signals(sig).name}"
+    except ValueError:
+        return f"exited with code {sig}"
+
+
+def dead_ranks(
+    lines: list[str], pid_ranks: Mapping[int, int], roles: Mapping[int, str], first: int | None = None
+) -> list[str]:
+    """Sentences naming the rank whose end stopped the job, from mpiexec's output and the process tree.
+
+    Parameters
+    ----------
+    lines : list of str
+        mpiexec's output.
+    pid_ranks : mapping
+        PID -> MPI rank (:class:`~hpcsplit.launch.proctree.JobTree`).
+    roles : mapping
+        MPI rank -> what it runs (from the plan), may be empty.
+    first : int, optional
+        The PID of the first rank seen ending (:meth:`JobTree.watch`); MPICH kills the others then and
+        may report any of them, so this one is named when known.
+
+    Examples
+    --------
+    >>> out = ["=   PID 77 RUNNING AT vm", "=   EXIT CODE: 9", "EXIT STRING: Killed (signal 9)"]
+    >>> dead_ranks(out, {77: 2}, {2: "component enc, node 0"})
+    ['rank 2 (component enc, node 0), PID 77 on vm, was killed by SIGKILL']
+    >>> dead_ranks(out, {77: 0, 78: 1}, {}, first=78)
+    ['rank 1, PID 78, ended first (mpiexec then stopped the other ranks; it reports PID 77, rank 0, killed by SIGKILL)']
+    >>> dead_ranks(["mpirun noticed that process rank 1 with PID 5 on node n1 exited on signal 9 (Killed)."], {}, {})
+    ['rank 1, PID 5 on n1, was killed by SIGKILL']
+    """
+    text = "\n".join(lines)
+
+    def who(rank: int | None) -> str:
+        if rank is None:
+            return "a rank (not known which)"
+        return f"rank {rank}" + (f" ({roles[rank]})" if roles.get(rank) else "")
+
+    out = [f"{who(int(m.group(1)))}, PID {m.group(2)} on {m.group(3)}, {_how(int(m.group(4)))}"
+           for m in _OMPI_DEAD.finditer(text)]
+    if out:
+        return out
+    codes = [int(c) for c in _MPICH_EXIT.findall(text)]
+    sigs = [int(c) for c in _MPICH_SIGNAL.findall(text)]
+    reported = [(int(m.group(1)), m.group(2)) for m in _MPICH_DEAD.finditer(text)]
+    sig = sigs[0] if sigs else (codes[0] if codes and codes[0] in (6, 9, 11, 15) else None)
+    if first is not None and first in pid_ranks and all(pid != first for pid, _ in reported):
+        line = f"{who(pid_ranks[first])}, PID {first}, ended first"
+        if reported:
+            pid = reported[0][0]
+            rank = pid_ranks.get(pid)
+            what = _how(sig).removeprefix("was ")
+            line += (f" (mpiexec then stopped the other ranks; it reports PID {pid}"
+                     + ("" if rank is None else f", rank {rank}") + f", {what})")
+        return [line]
+    return [f"{who(pid_ranks.get(pid))}, PID {pid} on {host}, {_how(sig)}" for pid, host in reported]
 
 
 def run_mpi_local(
@@ -162,6 +279,7 @@ def run_mpi_local(
     ranks: int,
     launcher: LocalLauncherSettings,
     echo: Echo = _echo,
+    roles: Mapping[int, str] | None = None,
 ) -> Any:
     """Run ``entry`` on ``ranks`` local MPI ranks; return rank 0's result.
 
@@ -178,17 +296,23 @@ def run_mpi_local(
     ranks : int
         ``mpiexec -n``.
     launcher : LocalLauncherSettings
-        mpiexec, its extra arguments and the time limit.
+        mpiexec, its extra arguments, the time limit and the grace period.
     echo : callable
         Where progress lines go.
+    roles : mapping, optional
+        MPI rank -> what it runs (``component enc, node 0``), to name a rank that dies.
 
-    Rank output goes to this terminal and to ``RUN_DIR/<stage>.log``.
+    Rank output goes to this terminal and is appended to ``RUN_DIR/<stage>.log`` (one header line per
+    run, so a resumed run keeps the earlier runs' lines).  SIGTERM or SIGINT to this process, the time
+    limit, or any exception here sends SIGTERM to the job, waits ``launcher.grace_s`` and then kills
+    every process of the job (``[Note: job process tree]``): no rank outlives this process.
 
     Raises
     ------
     LaunchError
-        When mpiexec exits non-zero (with the ranks' error lines and the tail of stderr), runs past
-        ``launcher.timeout_min``, or rank 0 wrote no result.
+        When mpiexec exits non-zero (naming a rank killed by a signal, its component, with the ranks'
+        error lines and the tail of stderr), runs past ``launcher.timeout_min``, is stopped by a
+        signal, or rank 0 wrote no result.
     """
     mpiexec = find_mpiexec(launcher.mpiexec)
     paths.run_dir.mkdir(parents=True, exist_ok=True)
@@ -204,47 +328,85 @@ def run_mpi_local(
     env = _local_env(mpiexec, echo)
     t0 = time.monotonic()
     tail: deque[str] = deque(maxlen=60)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        pumps = [
-            threading.Thread(target=_pump, args=(proc.stdout, [sys.stdout, log], tail), daemon=True),
-            threading.Thread(target=_pump, args=(proc.stderr, [sys.stderr, log], tail), daemon=True),
-        ]
-        for p in pumps:
-            p.start()
+    roles = dict(roles or {})
+    with open(log_path, "a") as log:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        log.write(f"===== hpcsplit {stage} started {stamp}: {ranks} rank(s), login pid {os.getpid()} =====\n")
+        log.flush()
+        old = _install_handlers()
+        proc: subprocess.Popen[str] | None = None
+        tree: JobTree | None = None
+        done = threading.Event()
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            for p in pumps:
-                p.join(timeout=5)
-            raise LaunchError(
-                f"{stage}: {ranks} MPI rank(s) ran past launcher.timeout_min={timeout_min} and were killed. "
-                f"Raise launcher.timeout_min if the stage is just slow. Log: {log_path}\n"
-                + "\n".join(list(tail)[-20:])
-            ) from None
-        except KeyboardInterrupt:
-            _kill_group(proc)
-            raise
-        for p in pumps:
-            p.join(timeout=10)
+            try:
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+                )
+            except OSError as e:
+                raise LaunchError(f"{stage}: could not start {mpiexec} ({e}); check launcher.mpiexec") from None
+            tree = JobTree(proc.pid)
+            atexit.register(tree.kill)
+            assert proc.stdout is not None and proc.stderr is not None
+            threads = [
+                threading.Thread(target=_pump, args=(proc.stdout, [sys.stdout, log], tail), daemon=True),
+                threading.Thread(target=_pump, args=(proc.stderr, [sys.stderr, log], tail), daemon=True),
+                threading.Thread(target=tree.watch, args=(ranks, lambda: proc.poll() is None, done), daemon=True),
+            ]
+            for t in threads:
+                t.start()
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _stop(proc, tree, launcher.grace_s, echo)
+                _join(threads[:2])
+                raise LaunchError(
+                    f"{stage}: {ranks} MPI rank(s) ran past launcher.timeout_min={timeout_min} and were killed. "
+                    f"Raise launcher.timeout_min if the stage is just slow. Log: {log_path}\n"
+                    + "\n".join(list(tail)[-20:])
+                ) from None
+            except (_Stopped, KeyboardInterrupt) as e:
+                signum = e.signum if isinstance(e, _Stopped) else int(signal.SIGINT)
+                name = signal.Signals(signum).name
+                echo(f"[hpcsplit] {name} received: stopping the {stage} job")
+                _stop(proc, tree, launcher.grace_s, echo)
+                _join(threads[:2])
+                raise LaunchError(
+                    f"{stage}: stopped by {name} after {time.monotonic() - t0:.1f} s: the job got SIGTERM and "
+                    f"{launcher.grace_s:g} s (launcher.grace_s) to save what it had, then every process left was "
+                    f"killed. Whatever it saved is in {paths.run_dir}; log: {log_path}"
+                ) from None
+            _join(threads[:2])
+        finally:
+            done.set()
+            if proc is not None and tree is not None:
+                if proc.poll() is None or tree.alive():  # an exception here, or ranks left behind
+                    _stop(proc, tree, 0 if proc.poll() is not None else launcher.grace_s)
+                atexit.unregister(tree.kill)
+            _restore_handlers(old)
     elapsed = time.monotonic() - t0
     if rc != 0:
         lines = [x for x in tail if x.strip() and not set(x.strip()) <= {"="}]
         rank_lines = [x for x in lines if x.startswith("[rank ")]
         shown = rank_lines[:10] + ["--- tail of the output:"] + lines[-12:] if rank_lines else lines[-25:]
+        dead = dead_ranks(list(tail), tree.ranks if tree else {}, roles, tree.first_ended() if tree else None)
+        head = "".join(f"\n{d}." for d in dead)
         raise LaunchError(
             f"{stage}: `mpiexec -n {ranks} ... {entry}` exited with code {rc}{_signal_name(rc)} "
-            f"after {elapsed:.1f} s.\n" + "\n".join(shown) + f"\nFull log: {log_path}"
+            f"after {elapsed:.1f} s.{head}\n" + "\n".join(shown) + f"\nFull log: {log_path}"
         )
     if not result.exists():
         raise LaunchError(
             f"{stage}: the MPI ranks exited cleanly but rank 0 wrote no result ({result}); see {log_path}"
         )
-    return json.loads(result.read_text())
+    try:
+        return json.loads(result.read_text())
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"{stage}: rank 0's result {result} is unreadable ({e}); see {log_path}") from None
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(timeout=10)
 
 
 def _signal_name(rc: int) -> str:

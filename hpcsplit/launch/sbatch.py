@@ -151,7 +151,9 @@ def run_sbatch(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     plan_path = paths.plan
     if not plan_path.is_file():
         raise ConfigError(
-            f"stage=sbatch needs a plan, but {plan_path} does not exist: pass plan=PATH (a plan.json from "
+            f"stage=sbatch needs a plan, but {plan_path} "
+            + ("is a folder, not a plan file" if plan_path.is_dir() else "does not exist")
+            + ": pass plan=PATH (a plan.json from "
             "stage=allocate or stage=all)"
         )
     plan = Plan.load(plan_path)

@@ -134,6 +134,7 @@ class LocalLauncherSettings:
     mpiexec: str | None
     mpiexec_args: tuple[str, ...]
     timeout_min: float | None
+    grace_s: float
 
     @classmethod
     def read(cls, c: Checker) -> LocalLauncherSettings:
@@ -147,6 +148,7 @@ class LocalLauncherSettings:
             mpiexec=c.string("mpiexec", none=True),
             mpiexec_args=tuple(args),
             timeout_min=c.number("timeout_min", lo=0, lo_open=True, none=True),
+            grace_s=c.number("grace_s", lo=0, hi=3600),
         )
 
 

@@ -412,6 +412,10 @@ def profile_components_mpi(
         dev = torch.device("cpu")
     sb = _load_switchboard(switchboard)
     names = list(s.components or sb.components)
+    unknown = [n for n in names if n not in sb.components]
+    if unknown:
+        raise ProfileError(f"profile.components names {unknown}, not components of {switchboard}; valid: "
+                           f"{list(sb.components)} (or profile.components=null for all)")
     layouts = _layouts(sb, names)
     grid: dict[str, Any] = {
         "meta": _meta(sb, s, dev, names),
@@ -459,7 +463,7 @@ def profile_components_mpi(
             progress=s.progress,
             chain_signal=False,
         )
-    summaries = comm.gather(summary, root=0)
+    summaries = _gather_summaries(comm, summary, out)
     result = None
     if rank == 0:
         assert summaries is not None
@@ -489,6 +493,55 @@ def profile_components_mpi(
         # rank 0 merged and flushed above; a requeue handler (submitit's) acts on rank 0 only
         call_previous_handler(int(getattr(signal, signum)))
     return result
+
+
+RANK_SILENCE_S = 900.0  # rank 0 names a profiling rank whose part file did not grow for this long
+_TAG_SUMMARY = 7301
+
+
+def _gather_summaries(comm: Any, summary: dict[str, Any], out: Path) -> list[dict[str, Any]] | None:
+    """Every rank's summary on rank 0 (None elsewhere), waiting without a spin and with a deadline.
+
+    A rank still measuring flushes a cell into its part file at least every few minutes, so rank 0
+    waits as long as each missing rank's part file keeps changing; one silent for ``RANK_SILENCE_S``
+    (stopped, stuck) is named, with its host, in a :class:`ProfileError` and the job aborts.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    host = socket.gethostname()
+    if rank != 0:
+        req = comm.isend((summary, host), dest=0, tag=_TAG_SUMMARY)
+        while not req.Test():
+            time.sleep(0.05)  # rank 0 aborts the job if it gives up on us
+        return None
+    got: dict[int, dict[str, Any]] = {0: summary}
+    since = {r: time.monotonic() for r in range(1, size)}
+    seen: dict[int, float] = {}
+    from hpcsplit.core.mpi import MPI
+
+    st = MPI.Status()
+    while len(got) < size:
+        if comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_SUMMARY, status=st):
+            src = st.Get_source()
+            got[src] = comm.recv(source=src, tag=_TAG_SUMMARY)[0]
+            continue
+        now = time.monotonic()
+        for r in range(1, size):
+            if r in got:
+                continue
+            try:
+                m = _part_path(out, r).stat().st_mtime
+            except OSError:
+                m = None
+            if m is not None and m != seen.get(r):
+                seen[r], since[r] = m, now
+            if now - since[r] > RANK_SILENCE_S:
+                raise ProfileError(
+                    f"profile: rank {r} wrote no cell to {_part_path(out, r).name} and sent no summary for "
+                    f"{RANK_SILENCE_S:g} s (rank 0 on {host}); it is stopped or stuck. Its finished cells are "
+                    "kept: run the profile again to measure the rest"
+                )
+        time.sleep(0.05)
+    return [got[r] for r in range(size)]
 
 
 def _merge_parts(w: ProfileWriter, out: Path) -> int:

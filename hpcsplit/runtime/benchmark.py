@@ -1,6 +1,8 @@
 """Bench mode on the frontend: open-loop levels per variant, then results files, table and plots.
 
-Files under the run folder's ``bench/`` (``RunPaths.bench_dir``): ``requests.h5`` (per variant and QPS:
+Files under the run folder's ``bench/`` (``RunPaths.bench_dir``): ``levels.csv`` (``RunPaths.bench_levels``:
+one row appended and synced as each level ends, so a job stopped or killed keeps its finished levels),
+``requests.h5`` (per variant and QPS:
 arrival, done, latency, status per request; and the summary table), ``summary.csv`` (one row per variant
 and QPS: achieved QPS, success rate, p50/p90/p99), ``improvement.csv`` (the prototype's table),
 ``latency_vs_qps.png`` and ``throughput_vs_qps.png``.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,11 +26,31 @@ from hpcsplit.runtime.frontend import Frontend, request_getter
 from hpcsplit.runtime.loadgen import LevelSummary, arrival_times, format_table, improvement_rows, summarize
 from hpcsplit.runtime.routing import critical_path_ms, graph_from_switchboard
 
-__all__ = ["critical_path_floor_ms", "finish", "floor_now_ms", "in_run_batch1_ms", "run_levels"]
+__all__ = ["critical_path_floor_ms", "finish", "floor_now_ms", "in_run_batch1_ms", "run_levels", "start_levels"]
 
 
 def _say(msg: str) -> None:
     say(0, msg)
+
+
+def _append_level(path: Path, s: LevelSummary) -> None:
+    """One finished level as a CSV row of ``RunPaths.bench_levels``, on disk at once (flushed and synced)."""
+    row = s.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(row))
+        if new:
+            w.writeheader()
+        w.writerow(row)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def start_levels(ctx: RankContext) -> None:
+    """Empty ``RunPaths.bench_levels`` before the first level of a bench run."""
+    ctx.paths.bench_levels.parent.mkdir(parents=True, exist_ok=True)
+    ctx.paths.bench_levels.write_text("")
 
 
 def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
@@ -50,6 +73,7 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
         windows.append((w0, time.time()))
         s = summarize(variant, q, res.arrival_s, res.done_s, res.ok, res.path_ms)
         levels.append(s)
+        _append_level(ctx.paths.bench_levels, s)
         raw.append({"qps": q, "request_ids": res.request_ids, "arrival_s": res.arrival_s,
                     "admit_s": res.admit_s, "done_s": res.done_s, "status": res.status,
                     "critical_path_ms": res.path_ms})

@@ -23,9 +23,10 @@ from hpcsplit.errors import RuntimeStageError, VerificationError
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import Batcher, JoinBuffer, ReadyRequest, Row, stack_rows, take_requests
-from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, barrier, floor_turns, say
+from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
+from hpcsplit.runtime.faults import COMPONENT_SIGNAL_GRACE_S, JobInterrupted, stop_signal
 from hpcsplit.runtime.routing import OUTPUT, WHOLE, Dataflow
-from hpcsplit.runtime.stage import FaultSettings
+from hpcsplit.runtime.settings import FaultSettings
 from hpcsplit.runtime.threads import cpu_seconds
 from hpcsplit.runtime.trace import Tracer
 
@@ -169,6 +170,10 @@ def serve_component(
                     outbox.add(tp.isend_message(comm, r, tp.KIND_STOP), r)
                 outbox.drain(timeout_s=120.0)
                 break
+            sig = stop_signal()  # [Note: stop signals]: the frontend saves and aborts; if it cannot, we stop
+            if sig is not None and sig[1] > abort_grace_s + COMPONENT_SIGNAL_GRACE_S:
+                raise JobInterrupted(f"rank {rank} component {name!r}: {sig[0]} {sig[1]:.0f} s ago and the job "
+                                     "was not aborted by the frontend; stopping")
             if worked:
                 backoff.reset()
             else:
@@ -271,7 +276,8 @@ def _measure_floor(ctx: RankContext, df: Dataflow, vname: str, name: str, fn: Ca
             samples = time_latency_ms(fn, args, warmup=2, iters=n, device=ctx.device)  # the profile's timer
             say(ctx.rank, f"{vname}: {name!r} batch of one, back to back: p50 {float(np.median(samples)):.2f} ms "
                           f"({n} runs)")
-        barrier(ctx.comm, max_sleep_s=FLOOR_WAIT_SLEEP_S)
+        ctx.barrier(f"{vname}: timing the floor (rank {turn}'s turn)", ctx.runtime.load_timeout_s,
+                    max_sleep_s=FLOOR_WAIT_SLEEP_S)
     return samples
 
 
@@ -313,7 +319,7 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         fn = load_variant(ctx, df, vname, name, ctx.entry.slice_gb)
         floor = _measure_floor(ctx, df, vname, name, fn)
         fn = with_fault(fn, rt.fault, name)
-        barrier(comm)
+        ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s)
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), rt.max_wait_ms / 1e3,
                              rt.request_timeout_s, tracer, ctx.device, rt.abort_grace_s, rt.idle_sleep_ms / 1e3)
         st["variant"] = vname
@@ -326,5 +332,7 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
     tracer.write(ctx.paths.trace_dir)
     # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
     req = comm.isend(all_stats, dest=0, tag=TAG_STATS)
-    tp.wait_polling(req.Test)
-    barrier(comm)
+    if not tp.wait_polling(req.Test, timeout_s=2 * rt.wait_bound_s):
+        raise RuntimeStageError(f"rank {rank}: rank 0 did not take this rank's counters within "
+                                f"{2 * rt.wait_bound_s:g} s")
+    ctx.barrier("collecting the counters", rt.wait_bound_s)

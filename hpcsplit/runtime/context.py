@@ -17,9 +17,9 @@ import torch
 from hpcsplit.core.mpi import MPI
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan, RankEntry
-from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.faults import describe_rank, named_barrier
 from hpcsplit.runtime.routing import Dataflow
-from hpcsplit.runtime.stage import BenchSettings, RuntimeSettings
+from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 from hpcsplit.runtime.threads import ThreadChoice
 from hpcsplit.runtime.trace import Tracer
 from hpcsplit.switchboard.reader import Switchboard
@@ -44,6 +44,16 @@ class RankContext:
     paths: RunPaths
     device: torch.device
     threads: ThreadChoice
+    hosts: tuple[str, ...] = ()  # hostname of every rank (for messages naming a rank)
+
+    def name(self, rank: int) -> str:
+        """A rank as messages name it: number, component, node, host."""
+        return describe_rank(self.plan, rank, self.hosts)
+
+    def barrier(self, what: str, timeout_s: float | None, while_waiting: Callable[[], object] | None = None,
+                max_sleep_s: float = 1e-3) -> None:
+        """A named, non-spinning barrier of the job with a deadline (:func:`barrier`)."""
+        barrier(self.comm, while_waiting, max_sleep_s, timeout_s, what, self.name)
 
     @property
     def on_gpu(self) -> bool:
@@ -60,17 +70,13 @@ def say(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
-def barrier(comm: MPI.Comm, while_waiting: Callable[[], object] | None = None, max_sleep_s: float = 1e-3) -> None:
-    """A barrier that waits without spinning (``Ibarrier`` + backoff polling to ``max_sleep_s``), calling
-    ``while_waiting``."""
-    req = comm.Ibarrier()
-
-    def _done() -> bool:
-        if while_waiting is not None:
-            while_waiting()
-        return bool(req.Test())
-
-    tp.wait_polling(_done, max_sleep_s=max_sleep_s)
+def barrier(comm: MPI.Comm, while_waiting: Callable[[], object] | None = None, max_sleep_s: float = 1e-3,
+            timeout_s: float | None = None, what: str = "a barrier",
+            name: Callable[[int], str] | None = None) -> None:
+    """A barrier that waits without spinning (backoff polling to ``max_sleep_s``), calling ``while_waiting``;
+    with ``timeout_s`` rank 0 names the ranks that did not come and raises
+    (:func:`hpcsplit.runtime.faults.named_barrier`)."""
+    named_barrier(comm, timeout_s, what, name or (lambda r: f"rank {r}"), while_waiting, max_sleep_s)
 
 
 def floor_turns(ctx: RankContext, df: Dataflow, vname: str) -> list[int]:

@@ -25,6 +25,7 @@ from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import take_requests
+from hpcsplit.runtime.faults import JobInterrupted, stop_signal
 from hpcsplit.runtime.routing import INPUT, Dataflow, Router
 from hpcsplit.runtime.trace import Tracer
 
@@ -144,6 +145,8 @@ class Frontend:
         RemoteRankError
             When a component rank reports an exception (the session's results so far are in
             ``self.partial``).
+        JobInterrupted
+            When the rank got a stop signal (``self.partial`` as above).
         """
         n = len(arrivals_s)
         arrivals = np.asarray(arrivals_s, dtype=np.float64)
@@ -165,6 +168,10 @@ class Frontend:
         while resolved < n:
             now = time.perf_counter() - t0
             worked = False
+            sig = stop_signal()
+            if sig is not None:  # [Note: stop signals] in hpcsplit.runtime.faults: admit nothing more
+                raise JobInterrupted(f"{sig[0]} received: stopped admitting requests ({int((status == STATUS_OK).sum())}"
+                                     f" of this session's {n} finished, {len(inflight)} in flight dropped)")
             # ---- admit arrived requests while the window has room
             adm: list[int] = []
             while (next_i < n and arrivals[next_i] <= now and len(inflight) + len(adm) < max_inflight
@@ -292,7 +299,7 @@ class Frontend:
         return finished
 
     # ------------------------------------------------------------------ control
-    def stop_all(self) -> None:
+    def stop_all(self, timeout_s: float = 30.0) -> None:
         """Start the shutdown: STOP to every replica fed by the frontend (it propagates downstream).
 
         Outputs still on their way (of timed-out requests) are received and dropped later by
@@ -300,7 +307,7 @@ class Frontend:
         """
         for r in self.df.entry_ranks():
             self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP), r)
-        self.outbox.drain(timeout_s=30.0)
+        self.outbox.drain(timeout_s=timeout_s)
 
     def drop_strays(self) -> int:
         """Receive and drop whatever arrives (late outputs); returns how many messages."""

@@ -9,6 +9,7 @@ STOP.  At the end collect every rank's counters and return the summary.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ from hpcsplit.core.mpi import MPI
 from hpcsplit.errors import RequestTimeoutError, RuntimeStageError, VerificationError
 from hpcsplit.runtime import benchmark
 from hpcsplit.runtime import transport as tp
-from hpcsplit.runtime.batch_files import host_row, read_inputs, write_outputs
+from hpcsplit.runtime.batch_files import OutputWriter, check_output_path, host_row, read_inputs
 from hpcsplit.runtime.batching import take_requests
-from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, barrier, floor_turns, say
+from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
+from hpcsplit.runtime.faults import JobInterrupted, RankSilentError
 from hpcsplit.runtime.frontend import STATUS_OK, Frontend, SessionResult, request_getter
 from hpcsplit.runtime.routing import Dataflow
 
@@ -84,10 +86,20 @@ def _collect_stats(ctx: RankContext, fe: Frontend) -> list[dict[str, Any]]:
         fe.drop_strays()  # late outputs of timed-out requests: receive and drop them
         return bool(comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATS, status=st))
 
-    for _ in range(comm.Get_size() - 1):
+    missing = set(range(1, comm.Get_size()))
+    bound = ctx.runtime.wait_bound_s
+    t_end = time.monotonic() + bound
+    while missing:
         st = MPI.Status()
-        tp.wait_polling(lambda st=st: _ready(st))
-        out.extend(comm.recv(source=st.Get_source(), tag=TAG_STATS))
+        if not tp.wait_polling(lambda st=st: _ready(st), max(0.0, t_end - time.monotonic())):
+            raise RankSilentError(
+                f"{', '.join(ctx.name(r) for r in sorted(missing))} sent no counters within {bound:g} s of "
+                "STOP (runtime.request_timeout_s + runtime.stop_grace_s): stopped, stuck or overloaded. Look "
+                "at its log lines above; if it is only slow, raise runtime.stop_grace_s."
+            )
+        src = st.Get_source()
+        out.extend(comm.recv(source=src, tag=TAG_STATS))
+        missing.discard(src)
     return sorted(out, key=lambda s: (s.get("variant", ""), s["rank"]))
 
 
@@ -99,28 +111,37 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
     summary: dict[str, Any] = {"mode": rt.mode, "world_size": comm.Get_size(), "model": ctx.plan.model,
                                "threads": ctx.threads.describe(), "variants": {}}
     next_id = 0
+    batch = _batch_inputs(ctx, variants[-1][1]) if rt.mode == "batch" else None  # before any request
+    if rt.mode == "bench":
+        benchmark.start_levels(ctx)
     bench_results: dict[str, Any] = {}
     fe: Frontend | None = None
     for vname, df in variants:
         prev = fe
         fe = Frontend(comm, df, tracer, rt.idle_sleep_ms / 1e3)
         fe.next_id = next_id
-        for _ in floor_turns(ctx, df, vname):  # the component ranks time their floor, in turn
-            barrier(comm, prev.drop_strays if prev is not None else None, FLOOR_WAIT_SLEEP_S)
+        strays = prev.drop_strays if prev is not None else None
+        for turn in floor_turns(ctx, df, vname):  # the component ranks time their floor, in turn
+            ctx.barrier(f"{vname}: timing the floor (rank {turn}'s turn)", rt.load_timeout_s, strays,
+                        FLOOR_WAIT_SLEEP_S)
         # every component rank has loaded and checked its callable (and sent the last variant's strays)
-        barrier(comm, prev.drop_strays if prev is not None else None)
+        ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s, strays)
         try:
             vsum: dict[str, Any] = {}
             if rt.verify:
                 vsum["end_to_end"] = _check_end_to_end(ctx, fe, vname)
-            if rt.mode == "batch":
-                vsum.update(_batch_mode(ctx, fe))
+            if batch is not None:
+                vsum.update(_batch_mode(ctx, fe, batch))
             else:
                 bench_results[vname] = benchmark.run_levels(ctx, fe, vname)
             summary["variants"][vname] = vsum
+        except JobInterrupted as e:
+            if rt.mode == "bench":
+                raise JobInterrupted(f"{vname}: {e}; the finished bench levels are in {ctx.paths.bench_levels}") from None
+            raise
         finally:
             next_id = fe.next_id
-        fe.stop_all()
+        fe.stop_all(rt.wait_bound_s)
     assert fe is not None
     summary["ranks"] = _collect_stats(ctx, fe)
     batch1: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (variant, component) -> (end, ms)
@@ -133,7 +154,7 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
         if st.get("floor_samples_ms"):
             floor_now[st["component"]] = list(st.pop("floor_samples_ms"))
     tracer.write(ctx.paths.trace_dir)
-    barrier(comm)
+    ctx.barrier("collecting the counters", rt.wait_bound_s)
     if rt.mode == "bench":
         summary.update(benchmark.finish(ctx, bench_results, batch1, floor_now))
     failed = summary["variants"].get("split", {}).get("failed", 0)
@@ -148,41 +169,53 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
 
 
 # ------------------------------------------------------------------------------------- batch mode
-def _batch_mode(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
+BatchInputs = tuple[list[torch.Tensor], str, Path]
+
+
+def _batch_inputs(ctx: RankContext, df: Dataflow) -> BatchInputs:
+    """Batch mode's inputs, checked against the switchboard, and the checked output path: before any work
+    (``[Note: batch outputs on disk]`` in :mod:`hpcsplit.runtime.batch_files`)."""
     rt = ctx.runtime
-    names = fe.df.inputs
+    out_path = check_output_path(Path(rt.output_path) if rt.output_path else ctx.paths.batch_outputs, rt.overwrite)
     if rt.input_path:
-        arrays = read_inputs(rt.input_path, names)
+        specs = {s.name: s for s in ctx.switchboard.layout.inputs}
+        arrays = read_inputs(rt.input_path, df.inputs, [specs[n] for n in df.inputs] if set(df.inputs) <= set(specs)
+                             else None)
         inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         src = str(rt.input_path)
     else:
         inputs = [torch.as_tensor(x) for x in ctx.switchboard.example_inputs(rt.num_samples)]
         src = f"switchboard example inputs x{rt.num_samples}"
+    say(0, f"batch mode: {int(inputs[0].shape[0])} requests from {src} -> {out_path} (checked)")
+    return inputs, src, out_path
+
+
+def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str, Any]:
+    rt = ctx.runtime
+    inputs, src, out_path = batch
     bdi = fe.df.input_bdims
     inputs = [x.movedim(0, bdi[i][0]) if bdi[i][0] else x for i, x in enumerate(inputs)]
     n = int(inputs[0].shape[bdi[0][0]])
-    out_path = Path(rt.output_path) if rt.output_path else ctx.paths.batch_outputs
-    outs: list[np.ndarray | None] = [None] * len(fe.df.outputs)
     get = request_getter(fe.df, inputs)
     bdo = fe.df.output_bdims
+    writer = OutputWriter(out_path, fe.df.outputs, n)
 
     def done(i: int, rows: list[torch.Tensor]) -> None:
-        for j, r in enumerate(rows):
-            row = host_row(r, bdo[j][0])
-            if outs[j] is None:
-                outs[j] = np.zeros((n, *row.shape), dtype=row.dtype)
-            outs[j][i] = row  # type: ignore[index]
+        writer.row(i, [host_row(r, bdo[j][0]) for j, r in enumerate(rows)])
 
-    say(0, f"batch mode: {n} requests from {src} -> {out_path}")
+    say(0, f"batch mode: {n} requests from {src} -> {out_path} (written as they finish)")
     try:
         res = fe.run(np.zeros(n), get, done, rt.request_timeout_s, rt.max_inflight)
-    except BaseException:
+    except BaseException as e:
         p = fe.partial
-        write_outputs(out_path, fe.df.outputs, outs, p.status == STATUS_OK, p.latency_ms)
-        say(0, f"stopping on error: wrote the {int((p.status == STATUS_OK).sum())} finished of {n} outputs "
-               f"to {out_path}")
+        writer.close(p.status == STATUS_OK, p.latency_ms)
+        saved = (f"wrote the {int(writer.done.sum())} finished of {n} outputs to {out_path} (its 'done' mask "
+                 "marks them; the other rows are zeros)")
+        say(0, f"stopping on error: {saved}")
+        if isinstance(e, JobInterrupted):
+            raise JobInterrupted(f"{e}; {saved}") from None
         raise
-    write_outputs(out_path, fe.df.outputs, outs, res.ok, res.latency_ms)
+    writer.close(res.ok, res.latency_ms)
     lat = res.latency_ms[res.ok]
     failed_ids = [int(i) for i in np.flatnonzero(~res.ok)]
     say(0, f"batch mode: {int(res.ok.sum())}/{n} done in {res.wall_s:.2f} s "

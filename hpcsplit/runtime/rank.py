@@ -7,6 +7,7 @@ place, since importing this module loads torch (``[Note: torch after the thread 
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 
@@ -19,6 +20,7 @@ from hpcsplit.errors import PlanError, RuntimeStageError
 from hpcsplit.runtime.component import run_component_rank
 from hpcsplit.runtime.context import RankContext, barrier, say
 from hpcsplit.runtime.doorbell import start_doorbell
+from hpcsplit.runtime.faults import describe_rank, install_stop_signals
 from hpcsplit.runtime.frontend_rank import run_frontend
 from hpcsplit.runtime.routing import (
     Dataflow,
@@ -27,7 +29,7 @@ from hpcsplit.runtime.routing import (
     whole_graph_of,
     whole_plan,
 )
-from hpcsplit.runtime.stage import BenchSettings, RuntimeSettings
+from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 from hpcsplit.runtime.threads import ThreadChoice
 from hpcsplit.runtime.transport import cuda_aware_mpi
 from hpcsplit.switchboard.reader import Switchboard
@@ -74,6 +76,7 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
         Rank 0's summary; None on other ranks.
     """
     rank = comm.Get_rank()
+    install_stop_signals()  # [Note: stop signals]
     torch.set_num_threads(threads.threads)
     device = bind_device(plan, entry, rank)
     aware, why = cuda_aware_mpi()
@@ -96,11 +99,13 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
         say(rank, "plan:\n" + plan.format())
         for vname, df in variants:
             say(rank, f"{vname} " + df.format())
-    ctx = RankContext(comm=comm, rank=rank, runtime=rt, bench=bench, plan=plan, entry=entry, switchboard=sb,
-                      paths=paths, device=device, threads=threads)
     # MPICH's blocking collectives spin: meet at a sleeping barrier first, so the doorbell's collectives
     # (and, at the end, its close and MPI_Finalize) do not spin while a slower rank loads or plots
-    barrier(comm)
+    barrier(comm, timeout_s=rt.load_timeout_s, what="loading the switchboard",
+            name=lambda r: describe_rank(plan, r))
+    hosts = tuple(str(h) for h in comm.allgather(socket.gethostname()))
+    ctx = RankContext(comm=comm, rank=rank, runtime=rt, bench=bench, plan=plan, entry=entry, switchboard=sb,
+                      paths=paths, device=device, threads=threads, hosts=hosts)
     db = None
     if rt.doorbell:  # [Note: doorbell]
         db = start_doorbell(comm, rt.doorbell is True, rt.doorbell_network)
@@ -111,7 +116,7 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
         out = run_frontend(ctx, variants)
     else:
         run_component_rank(ctx, variants)
-    barrier(comm)
+    ctx.barrier("the end of the job", rt.wait_bound_s)
     if db is not None:  # collective, so only on success: a failing rank aborts the whole job instead
         db.close()
     return out

@@ -4,7 +4,7 @@
     python -m hpcsplit stage=bench +experiment=clip   # whole model vs split plan at each bench.qps
 
 This module is the only reader of the config dict in :mod:`hpcsplit.runtime`: it turns ``cfg["runtime"]``
-and ``cfg["bench"]`` into :class:`RuntimeSettings` and :class:`BenchSettings` (``[Note: settings]`` in
+and ``cfg["bench"]`` into the settings of :mod:`hpcsplit.runtime.settings` (``[Note: settings]`` in
 :mod:`hpcsplit.core.settings`), the run folder's files into :class:`~hpcsplit.core.paths.RunPaths`, reads the
 plan, and hands typed values to :mod:`hpcsplit.runtime.rank`.
 
@@ -36,251 +36,20 @@ one import by name in the runtime, and only for this order; the layer test sees 
 from __future__ import annotations
 
 import importlib
-import ipaddress
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from hpcsplit.core import mpi as _mpi
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
-from hpcsplit.core.settings import Checker, group_defaults
-from hpcsplit.errors import ConfigError
+from hpcsplit.runtime.settings import SETTINGS, stage_settings
 from hpcsplit.runtime.threads import configure_rank
 
-__all__ = ["SETTINGS", "BenchSettings", "FaultSettings", "RuntimeSettings", "TraceSettings", "mpi_main",
-           "stage_settings"]
+__all__ = ["SETTINGS", "mpi_main"]
 
 RANK_MODULE = "hpcsplit.runtime.rank"  # imported once the thread settings are in place (see the note)
 
-Mode = Literal["batch", "bench"]
 
-
-def _over_defaults(group: str, given: Any, nullable: frozenset[str]) -> Any:
-    """``given`` (the config's node of ``group``) over ``conf/<group>/default.yaml``.
-
-    A config composed by Hydra holds every key; callers without Hydra (tests, a hand-written
-    ``CFG.json``) may give only some.  A null for a key that cannot be null means its default, as before.
-    """
-    if given is None:
-        given = {}
-    if not isinstance(given, Mapping):
-        return given  # the Checker reports it
-    merged = group_defaults(group)
-    for key, v in given.items():
-        if v is None and key not in nullable and merged.get(key) is not None:
-            continue
-        merged[key] = v
-    return merged
-
-
-# ------------------------------------------------------------------------------------------- runtime
-@dataclass(frozen=True, slots=True)
-class TraceSettings:
-    """``runtime.trace``: Chrome-trace the requests with ``start_step <= id < end_step`` (both set)."""
-
-    start_step: int | None
-    end_step: int | None
-
-    @classmethod
-    def from_mapping(cls, values: Any, c: Checker) -> TraceSettings:
-        """Read the ``trace`` block; problems go to ``c`` (the runtime's checker)."""
-        keys = tuple(f.name for f in fields(cls))
-        t = Checker("runtime.trace", values, keys)
-        out = cls(start_step=t.integer("start_step", lo=0, none=True, default=None),
-                  end_step=t.integer("end_step", lo=0, none=True, default=None))
-        c.problems.extend(t.problems)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class FaultSettings:
-    """``runtime.fault`` (tests only): make component ``component`` raise, or sleep ``sleep_s`` on ``times``
-    batches, after ``after_batches`` batches."""
-
-    component: str
-    kind: Literal["raise", "sleep"]
-    after_batches: int
-    sleep_s: float
-    times: int
-
-    @classmethod
-    def from_mapping(cls, values: Any, c: Checker) -> FaultSettings | None:
-        if values is None:
-            return None
-        keys = tuple(f.name for f in fields(cls))
-        f = Checker("runtime.fault", values, keys)
-        out = cls(component=f.string("component"),
-                  kind=f.choice("kind", ("raise", "sleep"), default="raise"),
-                  after_batches=f.integer("after_batches", lo=0, default=0),
-                  sleep_s=f.number("sleep_s", lo=0, default=1.0),
-                  times=f.integer("times", lo=0, default=1))
-        c.problems.extend(f.problems)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeSettings:
-    """The serve runtime's settings (``conf/runtime/default.yaml``; its comments say what each does).
-
-    ``mode`` is resolved: ``runtime.mode`` null means the stage's (``bench`` -> bench, else batch).
-    """
-
-    mode: Mode
-    max_wait_ms: float
-    max_inflight: int
-    request_timeout_s: float
-    threads: int | None
-    omp_wait_policy: str | None
-    trace: TraceSettings
-    input_path: str | None
-    output_path: str | None
-    num_samples: int
-    verify: bool
-    verify_atol: float
-    verify_rtol: float
-    abort_grace_s: float
-    fault: FaultSettings | None
-    idle_sleep_ms: float
-    doorbell: bool | Literal["local"]
-    doorbell_network: str | None
-
-    _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
-                           "doorbell_network"})
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> RuntimeSettings:
-        """Read ``cfg["runtime"]`` (and ``cfg["stage"]`` for the mode); one ConfigError lists every problem.
-
-        Examples
-        --------
-        >>> rt = RuntimeSettings.from_config({"stage": "bench", "runtime": {"max_wait_ms": 1}})
-        >>> rt.mode, rt.max_wait_ms, rt.trace
-        ('bench', 1.0, TraceSettings(start_step=None, end_step=None))
-        >>> RuntimeSettings.from_config({"runtime": {"max_infligth": 3}})  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        hpcsplit.errors.ConfigError: invalid runtime settings:
-          - runtime.max_infligth is not a setting (did you mean 'max_inflight'?); valid: ...
-        """
-        values = _over_defaults("runtime", cfg.get("runtime"), cls._NULLABLE)
-        keys = tuple(f.name for f in fields(cls))
-        c = Checker("runtime", values, keys)
-        mode = c.choice("mode", (None, "batch", "bench"))
-        if mode is None:
-            mode = "bench" if cfg.get("stage") == "bench" else "batch"
-        policy = c.string("omp_wait_policy", none=True)
-        if policy is not None and policy.upper() not in ("PASSIVE", "ACTIVE"):
-            c.problem(f"runtime.omp_wait_policy = {policy!r}: needs PASSIVE, ACTIVE or null (OpenMP's default)")
-        doorbell = c.get("doorbell")
-        if not (type(doorbell) is bool or doorbell == "local"):
-            c.problem(f"runtime.doorbell = {doorbell!r}: use true (ring ranks on every node), local "
-                      "(ranks on the same node only) or false")
-            doorbell = False
-        net = c.get("doorbell_network")
-        if net is not None:
-            try:
-                if not isinstance(net, str) or not net.strip():
-                    raise ValueError("not a string")
-                if "/" in net:
-                    ipaddress.IPv4Network(net, strict=False)
-            except ValueError as e:
-                c.problem(f"runtime.doorbell_network = {net!r}: give an interface name (hsn0, ib0) or an IPv4 "
-                          f"network such as 10.100.0.0/16 ({e})")
-                net = None
-        trace_values = c.get("trace")
-        out = cls(
-            mode=mode,
-            max_wait_ms=c.number("max_wait_ms", lo=0),
-            max_inflight=c.integer("max_inflight", lo=1),
-            request_timeout_s=c.number("request_timeout_s", lo=0, lo_open=True),
-            threads=c.integer("threads", lo=0, none=True),  # 0 or null: see [Note: rank threads]
-            omp_wait_policy=policy.upper() if policy else None,
-            trace=TraceSettings.from_mapping(trace_values, c),
-            input_path=c.string("input_path", none=True),
-            output_path=c.string("output_path", none=True),
-            num_samples=c.integer("num_samples", lo=1),
-            verify=c.boolean("verify"),
-            verify_atol=c.number("verify_atol", lo=0),
-            verify_rtol=c.number("verify_rtol", lo=0),
-            abort_grace_s=c.number("abort_grace_s", lo=0),
-            fault=FaultSettings.from_mapping(c.get("fault"), c),
-            idle_sleep_ms=c.number("idle_sleep_ms", lo=0),
-            doorbell=doorbell,
-            doorbell_network=net,
-        )
-        c.done()
-        return out
-
-
-# --------------------------------------------------------------------------------------------- bench
-@dataclass(frozen=True, slots=True)
-class BenchSettings:
-    """The split-vs-whole benchmark's settings (``conf/bench/default.yaml``)."""
-
-    qps: tuple[float, ...]
-    duration_s: float
-    min_requests: int
-    floor_runs: int
-    arrival: Literal["poisson", "constant"]
-    warmup_s: float
-    seed: int
-    request_timeout_s: float | None  # None: runtime.request_timeout_s
-    input_pool: int
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> BenchSettings:
-        """Read ``cfg["bench"]``; one ConfigError lists every problem.
-
-        Examples
-        --------
-        >>> BenchSettings.from_config({"bench": {"qps": 5, "duration_s": 2}}).qps
-        (5.0,)
-        >>> BenchSettings.from_config({"bench": {"qps": [-1, 2]}})
-        Traceback (most recent call last):
-        ...
-        hpcsplit.errors.ConfigError: invalid bench settings:
-          - bench.qps = [-1, 2]: needs a non-empty list of numbers > 0
-        """
-        values = _over_defaults("bench", cfg.get("bench"), frozenset({"request_timeout_s"}))
-        keys = tuple(f.name for f in fields(cls))
-        c = Checker("bench", values, keys)
-        raw = c.get("qps")
-        items = raw if isinstance(raw, list | tuple) else [raw]
-        if not items or any(isinstance(q, bool) or not isinstance(q, int | float) or not q > 0 for q in items):
-            c.problem(f"bench.qps = {raw!r}: needs a non-empty list of numbers > 0")
-            items = []
-        out = cls(
-            qps=tuple(float(q) for q in items),
-            duration_s=c.number("duration_s", lo=0, lo_open=True),
-            min_requests=c.integer("min_requests", lo=0),
-            floor_runs=c.integer("floor_runs", lo=0),
-            arrival=c.choice("arrival", ("poisson", "constant")),
-            warmup_s=c.number("warmup_s", lo=0),
-            seed=c.integer("seed"),
-            request_timeout_s=c.number("request_timeout_s", lo=0, lo_open=True, none=True),
-            input_pool=c.integer("input_pool", lo=1),
-        )
-        c.done()
-        return out
-
-
-SETTINGS: dict[str, type] = {"runtime": RuntimeSettings, "bench": BenchSettings}
-
-
-def stage_settings(cfg: Mapping[str, Any]) -> tuple[RuntimeSettings, BenchSettings]:
-    """Both groups' settings; one ConfigError lists the problems of both."""
-    out: list[Any] = []
-    errors: list[str] = []
-    for cls in (RuntimeSettings, BenchSettings):
-        try:
-            out.append(cls.from_config(cfg))
-        except ConfigError as e:
-            errors.append(str(e))
-    if errors:
-        raise ConfigError("\n".join(errors))
-    return out[0], out[1]
 
 
 # ------------------------------------------------------------------------------------------ mpi_main

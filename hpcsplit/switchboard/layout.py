@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,12 @@ __all__ = [
     "FileRef",
     "Layout",
     "TensorSpec",
+    "check_file",
+    "load_layout",
+    "parse_layout",
+    "read_bytes",
     "read_layout",
+    "read_ref",
     "sha256_file",
 ]
 
@@ -218,12 +225,24 @@ def read_layout(path: Path) -> Layout:
         Missing file, invalid JSON, unknown schema version, missing or mistyped fields,
         or an ``order`` that does not match the components.
     """
+    return load_layout(path.parent)[0]
+
+
+def load_layout(root: Path) -> tuple[Layout, str]:
+    """``root/layout.json`` read once (no symlink): the validated layout and the sha256 of its bytes."""
+    path = root / LAYOUT_FILE
     if not path.is_file():
         raise SwitchboardError(f"found no {path}; needed a switchboard directory written by hpcsplit.export")
+    data = read_bytes(root, LAYOUT_FILE, "layout")
+    return parse_layout(data, path), hashlib.sha256(data).hexdigest()
+
+
+def parse_layout(data: bytes, path: Path) -> Layout:
+    """Validate the bytes of a ``layout.json`` (``path`` names it in errors)."""
     try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SwitchboardError(f"{path} is not valid JSON ({e}); re-run the export") from e
+        d = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SwitchboardError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); re-run the export") from e
     if not isinstance(d, dict):
         raise SwitchboardError(
             f"{path}: found a JSON {type(d).__name__}; needed an object; re-run the export"
@@ -275,8 +294,10 @@ def read_layout(path: Path) -> Layout:
             partition=dict(d.get("partition") or {}),
             torch_version=str(d.get("torch_version", "")),
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise SwitchboardError(f"{path} is malformed: bad or missing field {e}; re-run the export") from e
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+        raise SwitchboardError(
+            f"{path} is malformed: bad or missing field ({type(e).__name__}: {str(e)[:200]}); re-run the export"
+        ) from e
     names = [c.name for c in comps]
     if list(layout.order) != names:
         raise SwitchboardError(
@@ -300,26 +321,131 @@ def _check_wiring(path: Path, layout: Layout) -> None:
         raise SwitchboardError(f"{path} is malformed: outputs {missing} are produced by no component")
 
 
-def check_file(root: Path, ref: FileRef | ComponentSpec, what: str, *, full: bool) -> Path:
-    """Check that a file exists with the recorded size (and hash when ``full``)."""
-    rel = ref.program if isinstance(ref, ComponentSpec) else ref.file
-    path = root / rel
-    if not path.is_file():
-        raise SwitchboardError(f"{what} file {path} is missing; needed by layout.json; re-run the export")
-    size = path.stat().st_size
-    if size != ref.file_bytes:
+# [Note: switchboard paths] Every file layout.json names (programs, whole, golden) is a relative
+# path inside the switchboard directory: no absolute path, no ``..``, no symlink at any component
+# (each is opened with O_NOFOLLOW from the directory's file descriptor, so a component swapped for a
+# symlink after the check is refused too), a regular file.  Its bytes are read once: the hash is
+# computed on the bytes that are then parsed, never on a second read.  Errors name the file as
+# layout.json writes it and say nothing about anything outside the directory.
+
+
+def _rel_parts(rel: object, what: str) -> list[str]:
+    text = str(rel)
+    parts = text.split("/")
+    if (not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel
+            or any(p in ("", ".", "..") for p in parts) or ":" in parts[0]):
         raise SwitchboardError(
-            f"{what} file {path} has {size} bytes; layout.json records {ref.file_bytes}; "
-            "the file was changed or truncated; re-run the export"
+            f"{what} file {text[:200]!r} in layout.json is refused: needed a relative path inside the "
+            "switchboard directory (no absolute path, '..', '.', empty part or backslash); re-run the export"
         )
-    if full:
-        digest = sha256_file(path)
-        if digest != ref.sha256:
+    return parts
+
+
+def _open_inside(root: Path, rel: object, what: str) -> int:
+    """A read-only fd of ``root/rel``, refusing escapes and symlinks at every component."""
+    parts = _rel_parts(rel, what)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        dfd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise SwitchboardError(f"found no switchboard directory {root} ({e.strerror})") from e
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                st = os.stat(part, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise SwitchboardError(
+                    f"{what} file {rel!r} is missing; needed by layout.json; re-run the export"
+                ) from None
+            except OSError as e:
+                raise SwitchboardError(f"{what} file {rel!r} cannot be read ({e.strerror}); re-run the export") from e
+            if stat.S_ISLNK(st.st_mode):
+                raise SwitchboardError(
+                    f"{what} file {rel!r} is refused: {'/'.join(parts[: i + 1])!r} is a symlink; a switchboard's "
+                    "files must lie inside its directory; re-run the export (or copy the files in)"
+                )
+            kind_ok = stat.S_ISREG(st.st_mode) if last else stat.S_ISDIR(st.st_mode)
+            if not kind_ok:
+                raise SwitchboardError(
+                    f"{what} file {rel!r} is refused: {'/'.join(parts[: i + 1])!r} is not a "
+                    f"{'regular file' if last else 'folder'}; re-run the export"
+                )
+            try:
+                fd = os.open(part, (flags if last else flags | getattr(os, "O_DIRECTORY", 0)), dir_fd=dfd)
+            except OSError as e:  # swapped for a symlink (ELOOP) or removed since the stat
+                raise SwitchboardError(
+                    f"{what} file {rel!r} changed while it was opened ({e.strerror}); re-run the export"
+                ) from e
+            os.close(dfd)
+            dfd = fd
+        return dfd
+    except BaseException:
+        os.close(dfd)
+        raise
+
+
+def read_bytes(root: Path, rel: object, what: str, *, file_bytes: int | None = None,
+               sha256: str | None = None) -> bytes:
+    """The bytes of ``root/rel`` (see [Note: switchboard paths]), read once, size and hash checked.
+
+    Raises
+    ------
+    SwitchboardError
+        Escaping path, symlink, missing file, size or hash unlike what layout.json records.
+    """
+    fd = _open_inside(root, rel, what)
+    try:
+        size = os.fstat(fd).st_size
+        if file_bytes is not None and size != file_bytes:
             raise SwitchboardError(
-                f"{what} file {path} has sha256 {digest[:16]}...; layout.json records {ref.sha256[:16]}...; "
-                "the file was tampered with or belongs to another export; re-run the export"
+                f"{what} file {rel!r} has {size} bytes; layout.json records {file_bytes}; "
+                "the file was changed or truncated; re-run the export"
             )
-    return path
+        chunks = []
+        left = size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) != size or (file_bytes is not None and len(data) != file_bytes):
+        raise SwitchboardError(f"{what} file {rel!r} changed while it was read; re-run the export")
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise SwitchboardError(
+            f"{what} file {rel!r} has a sha256 unlike layout.json's {str(sha256)[:16]}...; "
+            "the file was tampered with or belongs to another export; re-run the export"
+        )
+    return data
+
+
+def read_ref(root: Path, ref: FileRef | ComponentSpec, what: str) -> bytes:
+    """The checked bytes of the file a layout entry names."""
+    rel = ref.program if isinstance(ref, ComponentSpec) else ref.file
+    return read_bytes(root, rel, what, file_bytes=ref.file_bytes, sha256=ref.sha256)
+
+
+def check_file(root: Path, ref: FileRef | ComponentSpec, what: str, *, full: bool) -> Path:
+    """Check that a file lies inside ``root`` with the recorded size (and hash when ``full``)."""
+    rel = ref.program if isinstance(ref, ComponentSpec) else ref.file
+    if full:
+        read_ref(root, ref, what)
+    else:
+        fd = _open_inside(root, rel, what)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size != ref.file_bytes:
+            raise SwitchboardError(
+                f"{what} file {rel!r} has {size} bytes; layout.json records {ref.file_bytes}; "
+                "the file was changed or truncated; re-run the export"
+            )
+    return root / rel
 
 
 def spec_of(name: str, dtype: str, shape: Sequence[int | str]) -> TensorSpec:

@@ -8,7 +8,6 @@ component's program at a time, runs the components in order, and verifies them o
 from __future__ import annotations
 
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from hpcsplit.errors import SwitchboardError, VerificationError
 from hpcsplit.switchboard import layout as L
+from hpcsplit.switchboard.archive import load_program, validate_program
 from hpcsplit.switchboard.split import run_pieces
 from hpcsplit.switchboard.verify import VerifyReport, compare_outputs, tile_batch
 
@@ -58,9 +58,11 @@ class Switchboard:
     def load(cls, path: str | Path, *, check_all: bool = False) -> Switchboard:
         """Open a switchboard directory.
 
-        ``layout.json`` is validated and the golden file hashed; program files must exist with
-        their recorded sizes and are hashed when read (all of them now with ``check_all``).
-        Nothing is unpickled.
+        ``layout.json`` is validated and the golden file hashed; program files must lie inside
+        the directory (no symlinks) with their recorded sizes, and are hashed and validated when
+        read (all of them now with ``check_all``).  Every file is read once and loaded from the
+        bytes that were hashed; nothing is unpickled and no code in a file runs (see
+        [Note: program archive] in :mod:`hpcsplit.switchboard.archive`).
 
         Raises
         ------
@@ -68,30 +70,31 @@ class Switchboard:
             Naming the missing, malformed, tampered or mismatched file.
         """
         root = Path(path)
-        layout_path = root / _LAYOUT
-        layout = L.read_layout(layout_path)
-        digest = L.sha256_file(layout_path)
+        layout, digest = L.load_layout(root)
         for c in layout.components:
-            L.check_file(root, c, f"program of component {c.name!r}", full=check_all)
-        L.check_file(root, layout.whole, "whole-model program", full=check_all)
-        gpath = L.check_file(root, layout.golden, "golden", full=True)
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
+            what = f"program of component {c.name!r}"
+            if check_all:
+                validate_program(L.read_ref(root, c, what), f"{what} file {c.program!r}")
+            else:
+                L.check_file(root, c, what, full=False)
+        if check_all:
+            validate_program(L.read_ref(root, layout.whole, "whole-model program"),
+                             f"whole-model program file {layout.whole.file!r}")
+        else:
+            L.check_file(root, layout.whole, "whole-model program", full=False)
+        golden = _load_golden(L.read_ref(root, layout.golden, "golden"), layout)
         try:
-            golden = load_file(str(gpath))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise SwitchboardError(f"golden file {gpath} cannot be read ({e}); re-run the export") from e
-        return cls(root, layout, digest, golden)
+            return cls(root, layout, digest, golden)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError, NotImplementedError) as e:
+            raise SwitchboardError(
+                f"{root / _LAYOUT} is malformed: input_spec/output_spec are not pytree specs "
+                f"({type(e).__name__}: {str(e)[:200]}); re-run the export"
+            ) from e
 
-    def _load_program(self, rel: str, ref: L.FileRef | L.ComponentSpec, what: str) -> Any:
-        path = L.check_file(self.path, ref, what, full=True)
-        _refuse_pickles(path, what)
-        try:
-            ep = torch.export.load(str(path))
-        except Exception as e:
-            raise SwitchboardError(f"{what} file {path} cannot be loaded by torch.export.load: {e}") from e
-        return ep
+    def _load_program(self, ref: L.FileRef | L.ComponentSpec, what: str) -> Any:
+        """The program a layout entry names: read once, hash checked, validated, loaded from those bytes."""
+        rel = ref.program if isinstance(ref, L.ComponentSpec) else ref.file
+        return load_program(L.read_ref(self.path, ref, what), f"{what} file {rel!r}")
 
     def load_component(
         self, name: str, device: str | torch.device | None = None
@@ -106,11 +109,11 @@ class Switchboard:
         key = self._cache_key(name, device)
         if key not in self._loaded:
             spec = self.components[name]
-            ep = self._load_program(spec.program, spec, f"program of component {name!r}")
+            ep = self._load_program(spec, f"program of component {name!r}")
             n_in = sum(1 for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT")
             if n_in != len(spec.inputs):
                 raise SwitchboardError(
-                    f"program {self.path / spec.program} takes {n_in} inputs; layout.json records "
+                    f"program {spec.program!r} takes {n_in} inputs; layout.json records "
                     f"{len(spec.inputs)} for {name!r}; the file belongs to another export; re-run the export"
                 )
             mod = _on_device(ep, device).module()
@@ -137,7 +140,7 @@ class Switchboard:
 
     def load_whole(self, device: str | torch.device | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The unsplit model: flat inputs (model input order) -> flat outputs (model output order)."""
-        ep = self._load_program(self.layout.whole.file, self.layout.whole, "whole-model program")
+        ep = self._load_program(self.layout.whole, "whole-model program")
         mod = _on_device(ep, device).module()
         in_spec = self._in_spec
 
@@ -254,25 +257,26 @@ class Switchboard:
         return f"Switchboard({str(self.path)!r}, model={self.model_name!r}, components={list(self.order)})"
 
 
-def _refuse_pickles(path: Path, what: str) -> None:
-    """Refuse a program archive that carries pickled data (``torch.export.load`` would unpickle it).
+def _load_golden(data: bytes, layout: L.Layout) -> dict[str, torch.Tensor]:
+    """The golden tensors from the (hash-checked) bytes of the golden file; every key the layout needs."""
+    from safetensors.torch import load
 
-    hpcsplit saves programs without example inputs, so ``sample_inputs`` entries are empty.
-    """
+    rel = layout.golden.file
     try:
-        with zipfile.ZipFile(path) as z:
-            pickled = [
-                i.filename for i in z.infolist() if "/sample_inputs/" in i.filename and i.file_size > 0
-            ]
-    except (zipfile.BadZipFile, OSError) as e:
+        golden = load(data)
+    except Exception as e:  # safetensors raises SafetensorError, ValueError, ... on bad bytes
         raise SwitchboardError(
-            f"{what} file {path} is not a torch.export archive ({e}); re-run the export"
+            f"golden file {rel!r} cannot be read ({type(e).__name__}: {str(e)[:200]}); re-run the export"
         ) from e
-    if pickled:
+    inputs = {t.name for t in layout.inputs}
+    needed = [f"input.{t.name}" for t in layout.inputs] + [f"output.{t.name}" for t in layout.outputs]
+    needed += [f"act.{t.name}" for c in layout.components for t in c.inputs if t.name not in inputs]
+    missing = [k for k in needed if k not in golden]
+    if missing:
         raise SwitchboardError(
-            f"{what} file {path} carries pickled data ({pickled[0]}); hpcsplit loads no pickles; "
-            "re-export it with hpcsplit.export"
+            f"golden file {rel!r} has no tensors {missing[:5]}; layout.json needs them; re-run the export"
         )
+    return golden
 
 
 def _on_device(ep: Any, device: str | torch.device | None) -> Any:

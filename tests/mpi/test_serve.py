@@ -180,7 +180,7 @@ def test_slow_component_times_out(tmp_path: Path, toy_sb: Path) -> None:
     _inputs(toy_sb, 6, tmp_path / "in.npz")
     p = _serve(tmp_path, toy_sb, n, {"input_path": str(tmp_path / "in.npz"), "verify": False,
                                      "output_path": str(tmp_path / "out.npz"), "request_timeout_s": 1.0,
-                                     "fault": {"component": "stage_1", "kind": "sleep", "after_batches": 2,
+                                     "fault": {"component": _last(toy_sb), "kind": "sleep", "after_batches": 2,
                                                "sleep_s": 3.0, "times": 1}},
                timeout_s=90)
     assert p.returncode != 0

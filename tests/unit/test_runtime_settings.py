@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcsplit.errors import ConfigError
-from hpcsplit.runtime.stage import (
+from hpcsplit.runtime.settings import (
     BenchSettings,
     FaultSettings,
     RuntimeSettings,

@@ -6,7 +6,7 @@ makes MPI fail: the others would wait for it forever.  So every wait of the job 
 
 - requests: ``runtime.request_timeout_s`` per request (:class:`~hpcsplit.runtime.frontend.Frontend`);
 - the frontend's STOP sends, the component counters it collects and every barrier after serving:
-  :attr:`~hpcsplit.runtime.stage.RuntimeSettings.wait_bound_s` = ``runtime.request_timeout_s`` +
+  :attr:`~hpcsplit.runtime.settings.RuntimeSettings.wait_bound_s` = ``runtime.request_timeout_s`` +
   ``runtime.stop_grace_s`` (a component that is busy with a batch when STOP comes finishes that batch
   first, and no batch may take longer than a request's timeout);
 - the barriers while ranks load and check their programs or time the floor (bench):

@@ -162,7 +162,7 @@ class RuntimeSettings:
             max_wait_ms=c.number("max_wait_ms", lo=0),
             max_inflight=c.integer("max_inflight", lo=1),
             request_timeout_s=c.number("request_timeout_s", lo=0, lo_open=True),
-            threads=c.integer("threads", lo=0, none=True),  # 0 or null: see [Note: rank threads]
+            threads=c.integer("threads", lo=1, hi=1024, none=True),  # null: chosen, see [Note: rank threads]
             omp_wait_policy=policy.upper() if policy else None,
             trace=TraceSettings.from_mapping(trace_values, c),
             input_path=c.string("input_path", none=True),

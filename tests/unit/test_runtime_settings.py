@@ -100,3 +100,9 @@ def test_both_groups_problems_come_together() -> None:
     with pytest.raises(ConfigError) as e:
         stage_settings({"stage": "bench", "runtime": {"max_inflight": 0}, "bench": {"qps": [-1]}})
     assert "runtime.max_inflight = 0" in str(e.value) and "bench.qps = [-1]" in str(e.value)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 100000, 2.5, "4", True])
+def test_threads_must_be_a_real_count(threads: object) -> None:
+    with pytest.raises(ConfigError, match=r"runtime.threads = .*needs an integer in \[1, 1024\] or null"):
+        stage_settings({"stage": "serve", "runtime": {"threads": threads}})

@@ -1,9 +1,9 @@
 """Program archives that cannot carry code: validate a ``.pt2`` before ``torch.export.load`` sees it.
 
 [Note: program archive] ``torch.export.load`` runs code from an archive in several ways: entries
-marked ``use_pickle`` (``torch.load(weights_only=False)``), legacy ``data/weights/<model>.pt`` and
+marked ``use_pickle`` (torch's unrestricted unpickling loader), legacy ``data/weights/<model>.pt`` and
 ``data/constants/<model>.pt`` files and non-empty sample inputs (``torch.load``, retried without
-``weights_only``), ``custom_obj_*``/``opaque_obj_*`` constants (``pickle.loads``), symbolic size
+``weights_only``), ``custom_obj_*``/``opaque_obj_*`` constants (unpickled), symbolic size
 expressions (``sympy.sympify``, which evaluates Python), ``guards_code`` (``exec``'d into the
 program's guard function), node targets (any attribute reachable from ``torch``, e.g.
 ``torch.os.system``) and AOTInductor members (shared libraries).  hpcsplit's writer

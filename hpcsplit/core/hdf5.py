@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -113,7 +114,14 @@ class WriterLock:
 
     def acquire(self) -> Self:
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symlink planted in a shared folder, and only a regular file
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            raise self._error(f"{self.path}: cannot open its lock file {self.lock_path} ({e.strerror}); "
+                              "remove it if it is a symlink or not a file, or write to another folder") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._error(f"{self.path}: its lock file {self.lock_path} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -169,6 +169,16 @@ def _install_handlers() -> dict[int, Any] | None:
     return old
 
 
+def _quiet_handlers() -> None:
+    """Further SIGTERM/SIGINT do nothing while the job is being killed (cleanup must not be cut short)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, lambda _s, _f: None)
+            except (ValueError, OSError):
+                pass
+
+
 def _restore_handlers(old: dict[int, Any] | None) -> None:
     for sig, handler in (old or {}).items():
         try:
@@ -192,6 +202,7 @@ def _stop(proc: subprocess.Popen[str], tree: JobTree, grace_s: float, echo: Echo
             proc.wait(timeout=grace_s)
         except (subprocess.TimeoutExpired, _Stopped, KeyboardInterrupt):
             pass
+    _quiet_handlers()
     tree.kill(signal.SIGKILL)
     try:
         proc.wait(timeout=10)
@@ -337,6 +348,7 @@ def run_mpi_local(
         proc: subprocess.Popen[str] | None = None
         tree: JobTree | None = None
         done = threading.Event()
+        threads: list[threading.Thread] = []
         try:
             try:
                 proc = subprocess.Popen(
@@ -344,7 +356,7 @@ def run_mpi_local(
                 )
             except OSError as e:
                 raise LaunchError(f"{stage}: could not start {mpiexec} ({e}); check launcher.mpiexec") from None
-            tree = JobTree(proc.pid)
+            tree = JobTree(proc.pid, lambda: proc is not None and proc.poll() is None)
             atexit.register(tree.kill)
             assert proc.stdout is not None and proc.stderr is not None
             threads = [
@@ -378,11 +390,18 @@ def run_mpi_local(
             _join(threads[:2])
         finally:
             done.set()
-            if proc is not None and tree is not None:
-                if proc.poll() is None or tree.alive():  # an exception here, or ranks left behind
-                    _stop(proc, tree, 0 if proc.poll() is not None else launcher.grace_s)
-                atexit.unregister(tree.kill)
-            _restore_handlers(old)
+            try:
+                if proc is not None:
+                    if tree is None:  # a signal right after the start
+                        tree = JobTree(proc.pid, lambda: proc is not None and proc.poll() is None)
+                    if threads:
+                        threads[2].join(timeout=2)  # the watcher: no refresh of the tree beside ours
+                    if proc.poll() is None or tree.alive():  # an exception here, or ranks left behind
+                        _stop(proc, tree, 0 if proc.poll() is not None else launcher.grace_s)
+            finally:
+                if tree is not None:
+                    atexit.unregister(tree.kill)
+                _restore_handlers(old)
     elapsed = time.monotonic() - t0
     if rc != 0:
         lines = [x for x in tail if x.strip() and not set(x.strip()) <= {"="}]

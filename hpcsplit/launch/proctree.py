@@ -108,14 +108,21 @@ class JobTree:
         mpiexec's PID.
     """
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, root_running: Callable[[], bool] | None = None) -> None:
         self.root = root
+        # whether mpiexec is not yet reaped: its group id may be reused once it is, so no killpg after
+        self.root_running = root_running or (lambda: True)
         self.known: dict[int, int] = {}  # pid -> start time, every process ever seen below root
         self.ranks: dict[int, int] = {}  # pid -> MPI rank
+        self._lock = threading.Lock()  # the watch thread and the main thread both refresh
         self.ended: list[int] = []  # rank PIDs in the order they ended (see watch)
 
     def refresh(self) -> None:
         """Add the processes below ``root`` now, and the rank of each that runs one."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         for pid, start in descendants(self.root).items():
             if self.known.get(pid) != start:
                 self.known[pid] = start
@@ -128,7 +135,9 @@ class JobTree:
     def alive(self) -> list[int]:
         """The known processes still running (same PID and start time)."""
         out = []
-        for pid, start in self.known.items():
+        with self._lock:
+            known = list(self.known.items())
+        for pid, start in known:
             st = _stat(pid)
             if st is not None and st[1] == start:
                 out.append(pid)
@@ -140,10 +149,11 @@ class JobTree:
             self.refresh()
         except OSError:
             pass
-        try:
-            os.killpg(self.root, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.root_running():
+            try:
+                os.killpg(self.root, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         for pid in self.alive():
             try:
                 os.kill(pid, sig)
@@ -167,7 +177,9 @@ class JobTree:
                     except OSError:
                         pass
                     last = now
-                    for pid in self.ranks:
+                    with self._lock:
+                        rank_pids = list(self.ranks)
+                    for pid in rank_pids:
                         if pid in fds.values() or pid in self.ended:
                             continue
                         try:

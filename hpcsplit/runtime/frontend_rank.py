@@ -208,9 +208,12 @@ def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str,
         res = fe.run(np.zeros(n), get, done, rt.request_timeout_s, rt.max_inflight)
     except BaseException as e:
         p = fe.partial
-        writer.close(p.status == STATUS_OK, p.latency_ms)
-        saved = (f"wrote the {int(writer.done.sum())} finished of {n} outputs to {out_path} (its 'done' mask "
-                 "marks them; the other rows are zeros)")
+        try:
+            writer.close(p.status == STATUS_OK, p.latency_ms)
+            saved = (f"wrote the {int(writer.done.sum())} finished of {n} outputs to {out_path} (its 'done' mask "
+                     "marks them; the other rows are zeros)")
+        except Exception as e2:  # noqa: BLE001 - the first error is the one to report
+            saved = f"could not write the finished outputs to {out_path} ({type(e2).__name__}: {e2})"
         say(0, f"stopping on error: {saved}")
         if isinstance(e, JobInterrupted):
             raise JobInterrupted(f"{e}; {saved}") from None

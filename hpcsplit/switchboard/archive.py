@@ -54,7 +54,9 @@ _FIXED = {
 _PAYLOAD = re.compile(r"data/(weights/weight|constants/tensor)_[0-9]{1,9}")
 _SYMBOL = re.compile(r"[su][0-9]{1,9}")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
-_ATEN = re.compile(r"torch\.ops\.aten\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+# op names: plain ones, or ATen's operator dunders (never __class__, __init__ and the like)
+_ATEN = re.compile(r"torch\.ops\.aten\.(_?[a-z][A-Za-z0-9_]*|__i?(?:and|or|xor|lshift|rshift)__)"
+                   r"\.([A-Za-z][A-Za-z0-9_]*)")
 _ATEN_REFUSED = {"from_file"}  # reads a file named in the program
 _PY_TARGETS = {
     *(f"_operator.{n}" for n in (

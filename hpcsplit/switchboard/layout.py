@@ -344,7 +344,7 @@ def _rel_parts(rel: object, what: str) -> list[str]:
 def _open_inside(root: Path, rel: object, what: str) -> int:
     """A read-only fd of ``root/rel``, refusing escapes and symlinks at every component."""
     parts = _rel_parts(rel, what)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         dfd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -379,6 +379,8 @@ def _open_inside(root: Path, rel: object, what: str) -> int:
                 ) from e
             os.close(dfd)
             dfd = fd
+            if not (stat.S_ISREG if last else stat.S_ISDIR)(os.fstat(fd).st_mode):  # swapped since the stat
+                raise SwitchboardError(f"{what} file {rel!r} changed while it was opened; re-run the export")
         return dfd
     except BaseException:
         os.close(dfd)

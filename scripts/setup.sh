@@ -4,6 +4,7 @@
 # Idempotent: when torch 2.13.0 is there and pyproject.toml has not changed since the last run, it
 # returns in about a second.
 #   ./scripts/setup.sh            PYTHON=python3.12 ./scripts/setup.sh
+#   ./scripts/setup.sh --perf     also perf_analyzer in .venv-perf (scripts/setup-perf.sh; docs/serving.md)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 t0=$SECONDS
@@ -32,3 +33,6 @@ if [[ ! -f $STAMP || $(cat "$STAMP") != "$want" ]] || ! "$PY" -c 'import hpcspli
     echo "$want" >"$STAMP"
 fi
 echo "[setup] ready in $(( SECONDS - t0 )) s: $("$PY" -c 'import torch, hpcsplit; print("torch", torch.__version__, "| hpcsplit", hpcsplit.__version__)')"
+if [[ ${1:-} == --perf ]]; then
+    echo "[setup] perf_analyzer: $(./scripts/setup-perf.sh)"
+fi

@@ -50,7 +50,7 @@ def compose(tmp_path: Path) -> Callable[..., dict[str, Any]]:
 # [Note: test switchboards] One builder for every test that needs a real switchboard: the toy MLP
 # (conf/model/toy_mlp.yaml's sizes unless ``dims`` are given) or tiny CLIP, example batch 2, seed 0.
 # Exports use the deterministic FLOP cost unless a test asks for another: the measured cost makes the
-# split depend on the machine's load (issue 17), and a test must not.
+# split depend on the machine's load (issue 17), and a test must not. They force the split (tiny models).
 def export_switchboard(out: Path, model: str = "toy_mlp", *, dims: tuple[int, int, int] | None = None,
                        **options: Any) -> Path:
     """Export ``toy_mlp`` or ``clip_tiny`` into ``out`` (``options`` go to :func:`hpcsplit.export`)."""
@@ -64,6 +64,9 @@ def export_switchboard(out: Path, model: str = "toy_mlp", *, dims: tuple[int, in
     else:  # pragma: no cover - a test's typo
         raise ValueError(f"no test switchboard for model {model!r}")
     options.setdefault("cost", "flops")
+    # the toy and tiny CLIP do not pay for their split (issue 17: export keeps them whole); the tests
+    # need their components, so they force it
+    options.setdefault("force", True)
     export(m, example_inputs(model, 2, model=m), out=out, name=model, **options)
     return out
 

@@ -2,7 +2,7 @@
 
 [Note: cluster contract]
 Keys: ``name``, ``scheduler`` (local | slurm), ``nodes``, ``gpus_per_node``, ``gpu_name``,
-``gpu_mem_gb``, ``slices_gb`` (allowed memory slices), ``mig_profiles``, ``cores_per_node`` (null:
+``gpu_mem_gb`` (``gpus_per_node`` null: 0, as ``cluster=auto`` before detection), ``slices_gb`` (allowed memory slices), ``mig_profiles``, ``cores_per_node`` (null:
 this machine's), ``mem_gb_per_node`` (null: this machine's), ``cpu_threads`` (allowed thread counts
 per rank without GPU), ``slurm:`` (partition, account, qos, constraint, time_min, cpus_per_task,
 tasks_per_node, gpus_per_node, mem_gb, setup, srun_mpi; other keys are kept in ``extra``), and the
@@ -192,7 +192,7 @@ class ClusterSpec:
         if scheduler not in _SCHEDULERS:
             errs.append(f"scheduler = {scheduler!r}, needs one of {list(_SCHEDULERS)}")
         nodes = _int("nodes", 1, 1)
-        gpus = _int("gpus_per_node", 0, 0)
+        gpus = 0 if cfg.get("gpus_per_node") is None else _int("gpus_per_node", 0, 0)  # null: cluster=auto unresolved
         gpu_mem = _num("gpu_mem_gb", 0, 0) if cfg.get("gpu_mem_gb") is not None else 0.0
         cores = machine_cores() if cfg.get("cores_per_node") is None else _int("cores_per_node", 1, 1)
         mem = machine_mem_gb() if cfg.get("mem_gb_per_node") is None else _num("mem_gb_per_node", 0, 0)

@@ -137,6 +137,16 @@ class RunPaths:
         return self.run_dir / "trace"
 
     @property
+    def server_endpoint(self) -> Path:
+        """Server mode: host, ports, model and token file of the running server (written once it is ready)."""
+        return self.run_dir / "endpoint.json"
+
+    @property
+    def server_token(self) -> Path:
+        """Server mode: the job's bearer token (0600)."""
+        return self.run_dir / "server.token"
+
+    @property
     def manifest(self) -> Path:
         return self.run_dir / "manifest.json"
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpcsplit.core.detect import AUTO, detect_gpus, resolve_cluster
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.errors import ConfigError, HpcsplitError, LaunchError
@@ -37,6 +38,7 @@ from hpcsplit.launch.config import check_plan_on_cluster, conf_dir, plan_roles, 
 from hpcsplit.launch.local import find_mpiexec, mpiexec_command, mpiexec_flavour, run_mpi_local
 from hpcsplit.launch.pipeline import run_pipeline
 from hpcsplit.launch.probe_table import format_table
+from hpcsplit.launch.serve_watch import ServeWatch
 from hpcsplit.launch.stages import (
     STAGES,
     LocalLauncherSettings,
@@ -46,6 +48,7 @@ from hpcsplit.launch.stages import (
     launcher_settings,
     resolve,
 )
+from hpcsplit.runtime.settings import RuntimeSettings
 
 __all__ = [
     "find_mpiexec",
@@ -150,6 +153,16 @@ def run_mpi(
     return run_mpi_local(entry, cfg, paths, stage, ranks or 1, launcher, echo=echo, roles=roles)
 
 
+def _serve_watch(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo) -> ServeWatch | None:
+    """``stage=serve runtime.mode=server``: the login side's endpoint wait and status lines."""
+    if stage != "serve":
+        return None
+    rt = RuntimeSettings.from_config(cfg)
+    if rt.mode != "server":
+        return None
+    return ServeWatch(RunPaths.from_config(cfg, run_dir), echo, rt.server_status_s).start()
+
+
 def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo) -> Any:
     """Run one stage (not ``all``) and return its result (a summary dict, or rank 0's value)."""
     row = STAGES[stage]
@@ -170,7 +183,12 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo
         roles = plan_roles(plan)
     else:
         ranks = _mpi_ranks(stage, cfg, run_dir)
-    result = run_mpi(row.entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape, roles=roles)
+    watch = _serve_watch(stage, cfg, run_dir, echo)
+    try:
+        result = run_mpi(row.entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape, roles=roles)
+    finally:
+        if watch is not None:
+            watch.stop()
     if stage == "probe" and isinstance(launcher_settings(cfg), SlurmLauncherSettings) and isinstance(result, list):
         echo(format_table(result))
     return result
@@ -231,6 +249,8 @@ def main(cfg: Mapping[str, Any], run_dir: str | Path | None = None, echo: Echo =
 
 
 def _main(cfg: dict[str, Any], run_dir: str | Path | None, echo: Echo) -> dict[str, Any]:
+    if "cluster" in cfg:  # cluster=auto: this machine's GPUs, or the CPU spec ([Note: cluster auto])
+        cfg["cluster"] = resolve_cluster(cfg["cluster"], echo)
     validate(cfg)
     if run_dir is None:
         run_dir = (cfg.get("paths") or {}).get("run_dir") or Path.cwd()
@@ -281,6 +301,8 @@ def cluster_slurm(key: str, _root_: Any) -> Any:
     slurm = cluster.get("slurm")
     if slurm is None:
         name = cluster.get("name")
+        if name == AUTO:  # what cluster=auto is on this machine (local without GPUs)
+            name = "auto" if detect_gpus().gpus else "local"
         raise ConfigError(
             f"the Hydra SLURM launcher preset reads cluster.slurm.{key}, but cluster={name!r} has no slurm "
             "block: add cluster=dev (hydra/launcher=slurm_dev) or cluster=perlmutter (slurm_perlmutter)"

@@ -235,7 +235,7 @@ def value_problems(cfg: Mapping[str, Any]) -> list[str]:
         if cluster.get("cpu_threads"):
             _check_list(errs, "cluster.cpu_threads", cluster.get("cpu_threads"), 1, ints=True)
     elif cluster is not None:
-        errs.append(f"cluster = {cluster!r}: needs a preset name from conf/cluster/ (cluster=local|dev|perlmutter)")
+        errs.append(f"cluster = {cluster!r}: needs a preset name from conf/cluster/ (cluster=auto|local|dev|perlmutter)")
     return errs
 
 

@@ -24,12 +24,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any
 
+from hpcsplit.core.detect import Detection, detect_gpus, rank_gpu_env
 from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.plan import Plan
 from hpcsplit.errors import LaunchError
 from hpcsplit.launch.proctree import JobTree
-from hpcsplit.launch.stages import LocalLauncherSettings
+from hpcsplit.launch.stages import STAGES, LocalLauncherSettings
 
-__all__ = ["dead_ranks", "find_mpiexec", "mpiexec_command", "mpiexec_flavour", "run_mpi_local"]
+__all__ = ["dead_ranks", "find_mpiexec", "gpu_binding", "mpiexec_command", "mpiexec_flavour", "run_mpi_local"]
 
 Echo = Callable[[str], None]
 
@@ -130,6 +132,32 @@ def _local_env(mpiexec: str, echo: Echo) -> dict[str, str]:
         echo("[hpcsplit] launcher=local inside a multi-node SLURM allocation: mpiexec starts ranks through srun; "
              "if they fail their world-size check, use launcher=slurm (one job per MPI stage) instead")
     return env
+
+
+def gpu_binding(cfg: Mapping[str, Any], paths: RunPaths, stage: str, ranks: int, env: dict[str, str],
+                echo: Echo = _echo, detection: Detection | None = None) -> list[str]:
+    """Bind the ranks of a GPU cluster to this machine's GPUs as SLURM would (``[Note: local GPU binding]``).
+
+    Adds the variables to ``env`` and returns the lines it echoed.  Nothing happens on a CPU cluster,
+    inside a SLURM job (SLURM has bound the GPUs), or when NVML finds no GPU (the ranks then say that
+    CUDA is missing).
+    """
+    cluster = cfg.get("cluster")
+    if not isinstance(cluster, Mapping) or not int(cluster.get("gpus_per_node") or 0) or "SLURM_JOB_ID" in env:
+        return []
+    det = detect_gpus(env=env) if detection is None else detection
+    if not det.gpus:
+        return []
+    entries = None
+    row = STAGES.get(stage)
+    if row is not None and row.ranks == "plan" and (paths.plan_given or paths.plan.exists()):
+        entries = Plan.load(paths.plan).ranks
+    add, lines = rank_gpu_env(det, ranks, entries)
+    env.update(add)
+    lines = [f"[hpcsplit] {stage}: {x}" for x in lines]
+    for line in lines:
+        echo(line)
+    return lines
 
 
 def _pump(src: IO[str], sinks: list[IO[str]], keep: deque[str] | None) -> None:
@@ -337,6 +365,7 @@ def run_mpi_local(
     log_path = paths.stage_log(stage)
     echo(f"[hpcsplit] {stage}: {ranks} MPI rank(s): {' '.join(cmd[:3])} ... {entry}; log {log_path}")
     env = _local_env(mpiexec, echo)
+    gpu_binding(cfg, paths, stage, ranks, env, echo)
     t0 = time.monotonic()
     tail: deque[str] = deque(maxlen=60)
     roles = dict(roles or {})

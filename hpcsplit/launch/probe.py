@@ -34,6 +34,7 @@ from hpcsplit.core import mpi as _mpi
 from hpcsplit.core.mpi import MPI
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.launch.probe_table import format_table, owned_gpu
+from hpcsplit.runtime.netaddr import job_network, node_address
 
 __all__ = ["format_table", "mpi_main", "owned_gpu", "probe_row"]
 
@@ -93,8 +94,19 @@ def _torch_info() -> dict[str, Any]:
     }
 
 
-def probe_row(comm: Any) -> dict[str, Any]:
-    """This rank's row of the probe table (plain JSON-able values)."""
+def _address(network: str | None) -> str:
+    """Where other nodes reach this rank's node (the doorbell's rule, ``runtime.doorbell_network``), or why not."""
+    try:
+        return node_address(job_network(network))
+    except (OSError, ValueError, UnicodeError) as e:
+        return f"? ({e})"
+
+
+def probe_row(comm: Any, network: str | None = None) -> dict[str, Any]:
+    """This rank's row of the probe table (plain JSON-able values).
+
+    ``network``: ``runtime.doorbell_network`` (the ``address`` column: where other nodes reach this node).
+    """
     env = os.environ
     local_rank = _local_rank(comm)
     torch_info = _torch_info()
@@ -106,6 +118,7 @@ def probe_row(comm: Any) -> dict[str, Any]:
         usable = os.cpu_count() or 1
     row: dict[str, Any] = {
         "host": socket.gethostname(),
+        "address": _address(network),
         "rank": comm.Get_rank(),
         "world_size": comm.Get_size(),
         "local_rank": local_rank,
@@ -144,7 +157,8 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> list
         The rows ordered by rank on rank 0, None on the other ranks.
     """
     comm = _mpi.get_comm(comm)
-    rows = comm.gather(probe_row(comm), root=0)
+    network = (cfg.get("runtime") or {}).get("doorbell_network")
+    rows = comm.gather(probe_row(comm, network), root=0)
     if comm.Get_rank() != 0:
         return None
     rows = sorted(rows, key=lambda r: r["rank"])

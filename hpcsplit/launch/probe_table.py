@@ -12,6 +12,7 @@ __all__ = ["format_table", "owned_gpu"]
 
 _COLUMNS = (
     ("host", "host"),
+    ("address", "address"),
     ("rank", "rank"),
     ("world_size", "world"),
     ("local_rank", "local"),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcsplit.core import mpi as _mpi
+from hpcsplit.core.detect import bind_rank_devices
 from hpcsplit.core.paths import result_name
 from hpcsplit.launch.stages import resolve
 
@@ -37,6 +38,7 @@ def run_rank(entry: str, cfg: dict[str, Any], run_dir: str, comm: Any | None = N
     rank = comm.Get_rank()
     try:
         _mpi.check_world_size(comm)
+        bind_rank_devices(rank)  # launcher=local with MIG: this rank's instance, before torch loads
         out = resolve(entry)(cfg, run_dir, comm=comm)
         if rank == 0:
             path = Path(run_dir) / result_name(entry)

@@ -8,9 +8,13 @@ folder with the hpcsplit environment active.
 [Note: plan -> sbatch]
 * ``--nodes`` is the plan's node count, ``--ntasks`` its world size.  Plans number ranks node by node
   (rank 0, the frontend, on node 0).  When every node has the same number of ranks the script uses
-  ``--ntasks-per-node`` and SLURM's block distribution matches the plan; otherwise it writes a
-  ``SLURM_HOSTFILE`` from the allocation's node list and the plan's per-node counts and runs
-  ``srun --distribution=arbitrary``, so rank r lands on the plan's node for r.
+  ``--ntasks-per-node`` and SLURM's block distribution matches the plan; otherwise it allocates the
+  most ranks of a node on every node (``--ntasks-per-node=max``: each node has CPUs for the ranks the
+  plan gives it, whichever allocated node is which), writes a ``SLURM_HOSTFILE`` from the allocation's
+  node list and the plan's per-node counts, and runs ``srun --ntasks=<world size>
+  --distribution=arbitrary``, so rank r lands on the plan's node for r (node i of the plan is the i-th
+  host of ``SLURM_JOB_NODELIST``).  Tested on the two-node dev cluster with 3 + 2 ranks
+  (``tests/multinode``).
 * GPU plans get ``--gpus-per-node`` = the cluster's GPUs per node and no per-task binding: every rank
   sees all GPUs of its node and picks the plan's ``gpu`` (``runtime/rank.py``, ``bind_device``).
 * ``--cpus-per-task`` is the largest ``threads`` of a rank in the plan (at least
@@ -31,6 +35,7 @@ from hpcsplit.core.cluster import ClusterSpec, SlurmSpec
 from hpcsplit.core.paths import RunPaths, result_name
 from hpcsplit.core.plan import Plan
 from hpcsplit.errors import ConfigError
+from hpcsplit.launch.slurm import hostfile_setup
 from hpcsplit.launch.stages import STAGES, cluster_spec
 
 __all__ = ["run_sbatch", "sbatch_script"]
@@ -78,12 +83,18 @@ def sbatch_script(
         "# ---- the options that matter ----",
         "#SBATCH --job-name=hpcsplit-" + stage,
         f"#SBATCH --nodes={plan.nodes:<26} # the plan's nodes",
-        f"#SBATCH --ntasks={plan.world_size:<25} # MPI ranks = the plan's world size (each rank checks it)",
     ]
     if even:
-        lines.append(f"#SBATCH --ntasks-per-node={counts[0]:<16} # ranks per node, numbered node by node as in the plan")
+        lines += [
+            f"#SBATCH --ntasks={plan.world_size:<25} # MPI ranks = the plan's world size (each rank checks it)",
+            f"#SBATCH --ntasks-per-node={counts[0]:<16} # ranks per node, numbered node by node as in the plan",
+        ]
     else:
-        lines.append(f"# ranks per node differ ({counts}): srun uses SLURM_HOSTFILE + --distribution=arbitrary below")
+        lines += [
+            f"# ranks per node differ ({counts}): every node gets room for the most ranks of one node, and srun",
+            f"# starts the plan's {plan.world_size} ranks with SLURM_HOSTFILE + --distribution=arbitrary below",
+            f"#SBATCH --ntasks-per-node={max(counts):<16} # the most ranks of one node in the plan",
+        ]
     lines.append(f"#SBATCH --cpus-per-task={cpus:<18} # cores per rank: the plan's largest per-rank thread count")
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={gpus:<18} # every rank sees all GPUs of its node, uses the plan's gpu")
@@ -116,13 +127,9 @@ def sbatch_script(
         lines += [
             "",
             "# Place rank r on the plan's node: one hostfile line per rank, in rank order.",
-            f"COUNTS=({' '.join(str(c) for c in counts)})",
-            'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-            'export SLURM_HOSTFILE="$RUN_DIR/hostfile.$SLURM_JOB_ID"',
-            ': >"$SLURM_HOSTFILE"',
-            'for i in "${!COUNTS[@]}"; do for ((k = 0; k < COUNTS[i]; k++)); do echo "${HOSTS[i]}"; done; done >>"$SLURM_HOSTFILE"',
+            *hostfile_setup(counts, "$RUN_DIR/hostfile.$SLURM_JOB_ID"),
         ]
-        srun.append("--distribution=arbitrary")
+        srun += [f"--ntasks={plan.world_size}", "--distribution=arbitrary"]
     entry = STAGES[stage].entry
     lines += [
         "",

@@ -9,7 +9,12 @@ cluster's ``slurm:`` block (:class:`~hpcsplit.core.cluster.SlurmSpec`), the wait
 One MPI stage is one SLURM job of ``nodes x tasks_per_node`` tasks (``cluster.slurm``), or exactly
 ``ranks`` tasks when the stage fixes its rank count (a plan's world size, ``profile.ranks``,
 ``launcher.ranks``): then ``nodes = min(nodes, ranks)`` and ``tasks_per_node = ceil(ranks / nodes)``,
-with ``--ntasks=ranks`` when that does not divide evenly.  submitit writes the sbatch script; its
+with ``--ntasks=ranks`` when that does not divide evenly.  A plan whose nodes hold different numbers of
+ranks (3 + 2) allocates its most ranks of one node on every node and places the ranks with a
+``SLURM_HOSTFILE`` and ``srun --ntasks=<world size> --distribution=arbitrary`` (:func:`hostfile_setup`,
+as ``stage=sbatch`` does), so rank r runs on the plan's node for r.  Stages that are not requeueable
+are submitted ``--no-requeue``: a node failure (``NODE_FAIL``) ends the job instead of putting it back in
+the queue, where it would wait for the lost node.  submitit writes the sbatch script; its
 srun line gets ``--mpi=<srun_mpi> --kill-on-bad-exit=1`` (the setup lines also export
 ``SLURM_MPI_TYPE``), so the tasks form one MPI world and one dead task ends the step instead of
 leaving the others blocked in a collective.  Each task runs :func:`job_main`, which is
@@ -23,7 +28,8 @@ submitit's ``job.result()`` polls ``sacct`` at growing intervals and can wait fo
 died without a result when accounting is broken.  :func:`wait_for_job` polls on its own:
 ``squeue`` for live jobs, then ``sacct``, then ``scontrol show job`` for finished ones, each with a
 subprocess timeout.  A job that left the queue without a result is reported at once with its state,
-exit code, the ``[rank N]`` error lines and the tail of its logs.  A job that neither squeue,
+exit code, the ``[rank N]`` error lines, the nodes that are down or not responding with the ranks the job
+had there (:func:`node_report`), and the tail of its logs.  A job that neither squeue,
 sacct nor scontrol knows for ``_VANISHED_S`` seconds is reported as lost.
 
 [Note: preemption]
@@ -53,6 +59,7 @@ from typing import Any
 
 from hpcsplit.core.cluster import ClusterSpec, SlurmSpec
 from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.plan import Plan
 from hpcsplit.errors import ConfigError, LaunchError
 from hpcsplit.launch.stages import STAGES, SlurmLauncherSettings, cluster_spec, launcher_settings, resolve
 
@@ -63,6 +70,7 @@ __all__ = [
     "ProfileJob",
     "executor_parameters",
     "geometry",
+    "hostfile_setup",
     "job_main",
     "job_status",
     "run_mpi_slurm",
@@ -162,15 +170,43 @@ JobGeometry(nodes=1, tasks_per_node=1, ntasks=1))
     return JobGeometry(nodes, tpn, ranks)
 
 
+def hostfile_setup(counts: list[int], hostfile: str) -> list[str]:
+    """Bash lines (in the job, before ``srun``) writing ``SLURM_HOSTFILE``: ``counts[i]`` lines naming the i-th
+    node of the allocation, in rank order, for ``srun --distribution=arbitrary``.
+
+    ``hostfile`` may use shell variables of the job (``$SLURM_JOB_ID``).
+
+    Examples
+    --------
+    >>> hostfile_setup([3, 2], "/r/hostfile.$SLURM_JOB_ID")[0]
+    'COUNTS=(3 2)'
+    """
+    return [
+        f"COUNTS=({' '.join(str(int(c)) for c in counts)})",
+        'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f'export SLURM_HOSTFILE="{hostfile}"',
+        ('for i in "${!COUNTS[@]}"; do for ((k = 0; k < COUNTS[i]; k++)); do echo "${HOSTS[i]}"; done; done'
+         ' >"$SLURM_HOSTFILE"'),
+        "unset SLURM_NTASKS_PER_NODE  # the step's placement is the hostfile's",
+    ]
+
+
 def executor_parameters(
-    cluster: ClusterSpec, stage: str, ranks: int | None = None, shape: tuple[int, int] | None = None
+    cluster: ClusterSpec,
+    stage: str,
+    ranks: int | None = None,
+    shape: tuple[int, int] | None = None,
+    counts: list[int] | None = None,
+    hostfile: str = "hostfile.$SLURM_JOB_ID",
 ) -> dict[str, Any]:
     """Keyword arguments of ``submitit.SlurmExecutor.update_parameters`` for one stage's job.
 
-    ``shape`` is a plan's ``(nodes, most ranks on one node)``, see :func:`geometry`.
+    ``shape`` is a plan's ``(nodes, most ranks on one node)``, see :func:`geometry`; ``counts`` its ranks
+    per node: when they differ, the job places its ranks with ``hostfile`` (see ``[Note: SLURM job shape]``).
     """
     slurm = _slurm_of(cluster)
     geo = geometry(cluster, ranks, *(shape or (None, None)))
+    uneven = counts is not None and len(set(counts)) > 1 and ranks == sum(counts) and geo.nodes == len(counts)
     params: dict[str, Any] = {
         "job_name": f"hpcsplit-{stage}",
         "time": int(slurm.time_min or 30),
@@ -194,10 +230,18 @@ def executor_parameters(
         srun_args.insert(0, f"--mpi={mpi}")
         if not any("SLURM_MPI_TYPE" in s for s in params["setup"]):
             params["setup"].append(f"export SLURM_MPI_TYPE={mpi}")
+    if uneven:
+        assert counts is not None
+        params["ntasks_per_node"] = max(counts)  # room on every node for the plan's ranks there
+        params["setup"] += hostfile_setup(counts, hostfile)
+        srun_args += [f"--ntasks={geo.ntasks}", "--distribution=arbitrary"]
     params["srun_args"] = srun_args
     extra = dict(slurm.extra.get("sbatch_args") or {})
-    if not geo.even:
+    if not geo.even and not uneven:
         extra["ntasks"] = geo.ntasks
+    row = STAGES.get(stage)
+    if row is None or not row.requeueable:
+        extra.setdefault("no_requeue", True)  # a NODE_FAIL ends the job (it would wait for the lost node)
     if extra:
         params["additional_parameters"] = extra
     return params
@@ -267,8 +311,40 @@ def _tail(path: Path, n: int = 25) -> list[str]:
         return []
 
 
-def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str) -> str:
-    """A failed job's state, rank error lines and log tails, as one message."""
+def _expand_nodes(nodelist: str) -> list[str]:
+    out = _run(["scontrol", "show", "hostnames", nodelist]) if nodelist and nodelist != "None assigned" else None
+    return out.split() if out else []
+
+
+def node_report(job_id: str, counts: tuple[int, ...] = ()) -> list[str]:
+    """Lines naming each node of job ``job_id`` that SLURM has down, failing or not responding, with the ranks
+    the job had there (``counts``: ranks per node of the allocation, in order; rank numbering is node by node).
+
+    Empty when every node is fine or nothing answers.
+    """
+    out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "NodeList"])
+    nodes = _expand_nodes(out.strip().splitlines()[-1]) if out and out.strip() else []
+    if not nodes:
+        return []
+    lines = []
+    first = 0
+    for i, node in enumerate(nodes):
+        n_here = counts[i] if i < len(counts) else 0
+        ranks = list(range(first, first + n_here))
+        first += n_here
+        info = _run(["scontrol", "show", "node", "-o", node]) or ""
+        kv = dict(tok.partition("=")[::2] for tok in info.split() if "=" in tok)
+        state = kv.get("State", "")
+        if not any(w in state for w in ("DOWN", "FAIL", "NOT_RESPONDING", "DRAIN")) and "*" not in state:
+            continue
+        where = (f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}") if ranks else "its ranks"
+        reason = f" ({kv['Reason']})" if kv.get("Reason") and kv["Reason"] != "(null)" else ""
+        lines.append(f"node {node} (node {i} of the job, {where}) is {state}{reason}")
+    return lines
+
+
+def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str, counts: tuple[int, ...] = ()) -> str:
+    """A failed job's state, rank error lines, failed nodes (:func:`node_report`) and log tails, as one message."""
     logs = sorted(folder.glob(f"{job_id}_*_log.err")) + sorted(folder.glob(f"{job_id}_*_log.out"))
     rank_lines: list[str] = []
     srun_lines: list[str] = []
@@ -287,6 +363,9 @@ def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str) -> 
         parts += ["Rank errors:" if errors else "Last rank lines:", *(f"  {x}" for x in rank_lines[:20])]
     if srun_lines:
         parts += ["srun:", *(f"  {x}" for x in srun_lines[:10])]
+    bad_nodes = node_report(job_id, counts)
+    if bad_nodes:
+        parts += ["Nodes:", *(f"  {x}" for x in bad_nodes)]
     if not rank_lines and not srun_lines:
         parts += [f"Tail of {err0}:", *(f"  {x}" for x in _tail(err0))]
     parts.append(f"Logs: {folder}/{job_id}_<task>_log.{{out,err}}")
@@ -305,6 +384,7 @@ class SubmittedJob:
     stage: str
     ntasks: int
     time_min: int
+    counts: tuple[int, ...] = ()  # ranks per node of the allocation, in order (naming a failed node's ranks)
 
 
 def _job_function(stage: str, launcher: SlurmLauncherSettings) -> tuple[Callable[..., Any], int]:
@@ -328,11 +408,12 @@ def submit(
     launcher: SlurmLauncherSettings,
     ranks: int | None = None,
     shape: tuple[int, int] | None = None,
+    counts: list[int] | None = None,
 ) -> SubmittedJob:
     """Submit ``entry`` as one SLURM job through submitit (does not wait).
 
     ``cfg`` (the resolved config) is what the ranks read; ``cluster.slurm`` shapes the job and
-    ``launcher.max_requeue`` bounds a requeueable stage's requeues.
+    ``launcher.max_requeue`` bounds a requeueable stage's requeues; ``counts`` are a plan's ranks per node.
     """
     try:
         import submitit
@@ -343,8 +424,8 @@ def submit(
             "launcher=slurm but there is no `sbatch` on PATH: run on a SLURM login node, or use "
             "launcher=local (or start a dev cluster with slurm/dev-cluster.sh up)."
         )
-    params = executor_parameters(cluster, stage, ranks, shape)
     folder = paths.slurm_dir
+    params = executor_parameters(cluster, stage, ranks, shape, counts, str(folder / "hostfile.$SLURM_JOB_ID"))
     folder.mkdir(parents=True, exist_ok=True)
     paths.stage_config(stage).write_text(json.dumps(cfg, indent=2, default=str))
     result = paths.rank_result(entry)
@@ -363,7 +444,9 @@ def submit(
             f"\n{e}\nCheck partition/account/qos in cluster.slurm (sinfo, sacctmgr show assoc user=$USER)."
         ) from e
     geo = geometry(cluster, ranks, *(shape or (None, None)))
-    return SubmittedJob(str(job.job_id), folder, result, stage, geo.ntasks, int(params["time"]))
+    if counts is None or sum(counts) != geo.ntasks:  # block distribution: full nodes first
+        counts = [min(geo.tasks_per_node, geo.ntasks - i * geo.tasks_per_node) for i in range(geo.nodes)]
+    return SubmittedJob(str(job.job_id), folder, result, stage, geo.ntasks, int(params["time"]), tuple(counts))
 
 
 def wait_for_job(
@@ -407,7 +490,8 @@ def wait_for_job(
                 f" ({status.reason})" if status.reason and status.state == "PENDING" else ""
             )
             if shown != last_state or now - last_echo >= progress_s:
-                echo(f"[hpcsplit] job {job.job_id} {job.stage}: {shown:<11} elapsed {_fmt(now - t0)}")
+                echo(f"[hpcsplit] job {job.job_id} {job.stage}: {shown:<11} elapsed {_fmt(now - t0)}"
+                     + _batch_progress(job.result.parent))
                 last_state, last_echo = shown, now
             if not status.active:
                 break
@@ -446,11 +530,20 @@ def wait_for_job(
         return json.loads(job.result.read_text())
     if status.state == "UNKNOWN":
         status = JobStatus("LOST (no scheduler knows it)", None, None, "none")
-    raise LaunchError(failure_report(job.job_id, job.folder, status, job.stage))
+    raise LaunchError(failure_report(job.job_id, job.folder, status, job.stage, job.counts))
 
 
 def _scancel(job_id: str) -> None:
     _run(["scancel", job_id])
+
+
+def _batch_progress(run_dir: Path) -> str:
+    """``; batch progress: ...`` from the batch job's ``batch-progress.txt`` (docs/batch-inference.md), or ""."""
+    try:
+        line = (run_dir / "batch-progress.txt").read_text().strip()
+    except OSError:
+        return ""
+    return f"; {line}" if line else ""
 
 
 def _fmt(seconds: float) -> str:
@@ -483,7 +576,9 @@ def run_mpi_slurm(
     launcher = launcher_settings(cfg)
     if not isinstance(launcher, SlurmLauncherSettings):
         raise ConfigError(f"run_mpi_slurm needs launcher=slurm, found launcher={launcher.name}")
-    job = submit(entry, cfg, RunPaths.from_config(cfg, run_dir), stage, cluster_spec(cfg), launcher, ranks, shape)
+    paths = RunPaths.from_config(cfg, run_dir)
+    counts = _plan_counts(paths, shape, ranks)
+    job = submit(entry, cfg, paths, stage, cluster_spec(cfg), launcher, ranks, shape, counts)
     echo(
         f"[hpcsplit] submitted {stage} as SLURM job {job.job_id} ({job.ntasks} task(s)); "
         f"logs: {job.folder}/{job.job_id}_<task>_log.{{out,err}}"
@@ -496,6 +591,15 @@ def run_mpi_slurm(
         progress_s=launcher.progress_s,
         echo=echo,
     )
+
+
+def _plan_counts(paths: RunPaths, shape: tuple[int, int] | None, ranks: int | None) -> list[int] | None:
+    """The ranks per node of the plan a ``shape`` came from (None without one, or when it does not match)."""
+    if shape is None or not paths.plan.is_file():
+        return None
+    plan = Plan.load(paths.plan)  # checked when the stage read it (app.run_stage)
+    per_node = [sum(1 for r in plan.ranks if r.node == n) for n in range(plan.nodes)]
+    return per_node if plan.nodes == shape[0] and sum(per_node) == ranks and all(per_node) else None
 
 
 class ProfileJob:

@@ -12,6 +12,10 @@ checked before any work too (:func:`check_output_path`): its folder must be writ
 file is replaced only when it is an earlier hpcsplit outputs file (HDF5 attribute / ``.npz`` entry
 :data:`MARKER`) or ``runtime.overwrite`` is true.
 
+Batch mode itself streams (``[Note: streaming batch mode]`` in :mod:`hpcsplit.runtime.batch_stream`:
+chunked inputs, a resumable outputs file); the whole-file readers and :class:`OutputWriter` here serve
+small files and callers that hold their rows in memory.
+
 A job can be killed outright (a rank SIGKILLed: hydra then kills every rank at once), so the outputs
 are written as they finish (:class:`OutputWriter`): an HDF5 file of fixed-size contiguous datasets,
 rows written first and their ``done`` flags after them, flushed at most every
@@ -35,8 +39,8 @@ from hpcsplit.core.hdf5 import open_self_contained
 from hpcsplit.errors import RuntimeStageError
 from hpcsplit.switchboard.layout import TensorSpec
 
-__all__ = ["FLUSH_EVERY_S", "MARKER", "OutputWriter", "check_output_path", "host_row", "read_inputs",
-           "write_outputs"]
+__all__ = ["FLUSH_EVERY_S", "MARKER", "OutputWriter", "check_array_meta", "check_output_path", "host_row",
+           "read_inputs", "write_outputs"]
 
 MARKER = "hpcsplit_outputs"  # HDF5 attribute / .npz entry naming an hpcsplit batch outputs file
 FLUSH_EVERY_S = 0.5
@@ -68,34 +72,40 @@ def _load_arrays(path: Path) -> dict[str, np.ndarray]:
         f.close()
 
 
-def _check_array(path: Path, name: str, arr: np.ndarray, spec: TensorSpec | None) -> np.ndarray:
-    if arr.dtype.kind in "OSUV":
-        raise RuntimeStageError(f"runtime.input_path={path}: array {name!r} has dtype {arr.dtype}; the model "
+def check_array_meta(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
+                     spec: TensorSpec | None) -> None:
+    """Check one input array's dtype and per-sample shape (samples first) against ``spec``; the error
+    names the file, the array and what was expected."""
+    if dtype.kind in "OSUV":
+        raise RuntimeStageError(f"runtime.input_path={path}: array {name!r} has dtype {dtype}; the model "
                                 "takes numeric arrays")
-    if arr.ndim == 0:
+    if len(shape) == 0:
         raise RuntimeStageError(f"runtime.input_path={path}: array {name!r} is a single value (0-d); it needs "
                                 "the samples first (shape (n, ...))")
     if spec is None:
-        return arr
+        return
     want = list(spec.shape)
     if "batch" in want:
         want.remove("batch")  # samples first in the file
     need = ("n", *want)
     fixed = [(i + 1, d) for i, d in enumerate(want) if isinstance(d, int)]
-    if arr.ndim != len(need) or any(arr.shape[i] != d for i, d in fixed):
+    if len(shape) != len(need) or any(shape[i] != d for i, d in fixed):
         raise RuntimeStageError(
-            f"runtime.input_path={path}: array {name!r} has shape {tuple(arr.shape)}; the model needs "
+            f"runtime.input_path={path}: array {name!r} has shape {tuple(shape)}; the model needs "
             f"{tuple(need)} (samples first, then the shape of one sample). Reshape it, or check it is the "
             "input of this switchboard"
         )
-    dt = str(arr.dtype)
-    if dt != spec.dtype:
-        if spec.dtype == "bfloat16" and dt == "float32":
-            return arr  # numpy has no bfloat16: float32 holds every value; converted by torch
+    dt = str(dtype)
+    if dt != spec.dtype and not (spec.dtype == "bfloat16" and dt == "float32"):
+        # (numpy has no bfloat16: float32 holds every value; converted by torch)
         raise RuntimeStageError(
             f"runtime.input_path={path}: array {name!r} has dtype {dt}; the model needs {spec.dtype}. Convert "
             f"it (numpy: a.astype('{spec.dtype}')) and save the file again"
         )
+
+
+def _check_array(path: Path, name: str, arr: np.ndarray, spec: TensorSpec | None) -> np.ndarray:
+    check_array_meta(path, name, tuple(arr.shape), arr.dtype, spec)
     return arr
 
 
@@ -280,6 +290,8 @@ def host_row(r: torch.Tensor, rdim: int) -> np.ndarray:
     >>> host_row(torch.ones(3, 1, dtype=torch.bfloat16), 1).dtype
     dtype('float32')
     """
+    if r.dtype != torch.bfloat16 and r.device.type == "cpu":  # fast path: a numpy view, no torch op per row
+        return r.numpy()[(slice(None),) * rdim + (0,)]
     row = r.movedim(rdim, 0)[0].cpu()
     if row.dtype == torch.bfloat16:
         row = row.float()

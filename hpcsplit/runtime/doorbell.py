@@ -29,8 +29,9 @@ of the sender's, after the ring; so ``Outbox`` rings again when a send that was 
 Ranks on other nodes (``runtime.doorbell: true``; ``local`` rings node-local ranks only): their flags
 cannot be read, so every send to one is followed by a one-byte UDP datagram to its doorbell port
 (a ``sendto`` of a few microseconds, beside a network message).  Each rank binds a UDP socket to its
-node's address (on ``runtime.doorbell_network``, an interface or IPv4 network, else what the hostname
-resolves to; a loopback address does not count) and publishes it with an ``Allgather`` at start; then
+node's address (on ``runtime.doorbell_network``, an interface or IPv4 network, else on
+``$HPCSPLIT_DOORBELL_NETWORK`` -- a cluster preset's ``slurm.setup`` exports it, as ``cluster=dev2`` does for
+the dev cluster's bridge --, else what the hostname resolves to; a loopback address does not count) and publishes it with an ``Allgather`` at start; then
 each rank sends one test ring to the next rank on another node and waits up to a second for the one it
 is sent, and says so if it does not arrive (a firewall, an address off the job network).  A busy rank's
 datagrams pile up unread, so a rank drains its UDP socket after raising its flag and before its probe: a
@@ -48,13 +49,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import fcntl
 import ipaddress
 import itertools
 import os
 import select
 import socket
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -65,53 +64,10 @@ import numpy as np
 from hpcsplit.core.mpi import MPI
 from hpcsplit.runtime import mailbox
 from hpcsplit.runtime.mailbox import DOORBELL_DEEP_SLEEP_S, DOORBELL_QUIET_SLEEP_S, DOORBELL_UDP_SLEEP_S
+from hpcsplit.runtime.netaddr import NETWORK_ENV, _interface_addresses, job_network, node_address  # noqa: F401
 from hpcsplit.runtime.transport import TAG_HEADER
 
-__all__ = ["Doorbell", "node_address", "start_doorbell"]
-
-_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
-
-
-def _interface_addresses() -> dict[str, str]:
-    """IPv4 address of every interface of this host that has one (Linux)."""
-    out = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address on it
-                continue
-            out[name] = socket.inet_ntoa(res[20:24])
-    return out
-
-
-def node_address(network: str | None = None) -> str:
-    """The IPv4 address other nodes ring this node's ranks at.
-
-    ``network``: an interface name (``hsn0``) or an IPv4 network (``10.100.0.0/16``, the first interface
-    address inside it); None: the address this host's name resolves to.  Raises ValueError saying what
-    was not found (and what there is).
-
-    Examples
-    --------
-    >>> node_address("127.0.0.0/8").startswith("127.")
-    True
-    """
-    if not network:
-        return socket.gethostbyname(socket.gethostname())
-    addrs = _interface_addresses()
-    have = ", ".join(f"{k} {v}" for k, v in addrs.items()) or "none"
-    if "/" in network:
-        net = ipaddress.IPv4Network(network, strict=False)
-        for ip in addrs.values():
-            if ipaddress.IPv4Address(ip) in net:
-                return ip
-        raise ValueError(f"no interface of {socket.gethostname()} has an address in {network} (interfaces: {have})")
-    if network not in addrs:
-        raise ValueError(f"{socket.gethostname()} has no interface {network!r} with an IPv4 address "
-                         f"(interfaces: {have})")
-    return addrs[network]
-
+__all__ = ["NETWORK_ENV", "Doorbell", "job_network", "node_address", "start_doorbell"]
 
 class Doorbell:
     """One rank's doorbell: :meth:`sleep` until rung or timed out, :meth:`ring` another rank.
@@ -127,7 +83,8 @@ class Doorbell:
         Ring ranks on other nodes too (UDP), not only node-local ones.
     network : str, optional
         Where other nodes reach this node: an interface name (``hsn0``, ``ib0``) or an IPv4 network
-        (``10.100.0.0/16``); default: the address the hostname resolves to.  See :func:`node_address`.
+        (``10.100.0.0/16``); default: :func:`job_network` (``$HPCSPLIT_DOORBELL_NETWORK``, else the address
+        the hostname resolves to).  See :func:`node_address`.
     check_s : float
         How long a rank waits at start for the test ring another node sends it (see ``note``).
     """
@@ -191,6 +148,7 @@ class Doorbell:
         """Collective: bind the UDP socket, exchange addresses, send and await one test ring."""
         MPI, comm = self._mpi, self.comm
         size = comm.Get_size()
+        network = job_network(network)
         mine = np.zeros(3, dtype=np.int64)  # IPv4 as an integer, port (0: cannot be rung), node id
         mine[2] = self._node_id
         if remote:

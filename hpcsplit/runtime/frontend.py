@@ -4,10 +4,10 @@ timeouts.
 One :meth:`Frontend.run` call is one *session*: requests ``0..n-1`` arriving at ``arrivals_s`` (all at 0
 in batch mode, an open-loop schedule in bench mode).  At most ``max_inflight`` requests are inside the
 pipeline at once (so memory is bounded); the rest wait at the frontend, their latency counting from
-their arrival.  A request not finished ``request_timeout_s`` after its arrival is reported failed and
-its late outputs are dropped.  Each admitted request gets a route (:class:`~routing.Router`, fewest
-outstanding per replica); requests admitted in one loop turn for the same replica travel in one
-message.
+their arrival.  A request not finished ``request_timeout_s`` after its arrival (batch mode:
+``admission=True``, after its admission) is reported failed and its late outputs are dropped.  Each
+admitted request gets a route (:class:`~routing.Router`, fewest outstanding per replica); requests
+admitted in one loop turn for the same replica travel in one message.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Frontend:
         self._passthrough = [(j, dataflow.inputs.index(name))
                              for j, (src, name) in enumerate(dataflow.output_sources) if src == INPUT]
         self.n_outputs = len(dataflow.outputs)
+        self.stalled = False  # the last session ended because nothing came back (see run's ``admission``)
 
     # ------------------------------------------------------------------ session
     def run(
@@ -125,6 +126,7 @@ class Frontend:
         request_timeout_s: float = 60.0,
         max_inflight: int = 64,
         max_admit: int = 256,
+        admission: bool = False,
     ) -> SessionResult:
         """Serve requests ``0..len(arrivals_s)-1``; return their timings.
 
@@ -139,6 +141,13 @@ class Frontend:
             request's part: size 1 in every batch dim); None in benchmarks (outputs dropped).
         request_timeout_s, max_inflight
             ``runtime.request_timeout_s`` and ``runtime.max_inflight``.
+        admission
+            Batch mode: requests enter as the window frees and each one's timeout counts from its
+            admission (``admit_s``), not its arrival, so any number of requests can finish.  A pipeline
+            that stops answering would then time out one window after another for ever: when requests
+            expire and nothing at all has come back for ``request_timeout_s``, the session ends there,
+            every unfinished request failed, and ``self.stalled`` is set (the caller's end-of-job
+            counters then name the silent rank).
 
         Raises
         ------
@@ -160,6 +169,9 @@ class Frontend:
         self.partial = SessionResult(ids, arrivals, admit_s, done_s, status, 0.0, path_ms)
         inflight: dict[int, list[Any]] = {}  # idx -> [route, outputs, missing, critical-path us]
         keep = on_done is not None
+        start = admit_s if admission else arrivals  # a request's deadline counts from here
+        self.stalled = False
+        last_out = 0.0  # session time of the last output received
         backoff = mb.Backoff(deep_sleep_s=self.idle_sleep_s)
         t0 = time.perf_counter()
         next_i = 0
@@ -176,7 +188,7 @@ class Frontend:
             adm: list[int] = []
             while (next_i < n and arrivals[next_i] <= now and len(inflight) + len(adm) < max_inflight
                    and len(adm) < max_admit):
-                if now - arrivals[next_i] > request_timeout_s:
+                if not admission and now - arrivals[next_i] > request_timeout_s:
                     status[next_i] = STATUS_TIMEOUT
                     resolved += 1
                 else:
@@ -195,6 +207,7 @@ class Frontend:
                 if h.kind != tp.KIND_DATA:
                     continue
                 t_now = time.perf_counter()
+                last_out = t_now - t0
                 late = []
                 for row, rid in enumerate(h.request_ids):
                     idx = rid - base
@@ -209,7 +222,7 @@ class Frontend:
                     if rec[2] <= 0:
                         del inflight[idx]
                         resolved += 1
-                        if t_now - t0 - arrivals[idx] > request_timeout_s:
+                        if t_now - t0 - start[idx] > request_timeout_s:
                             # Finished, but past its deadline: collected late (this rank slept past the
                             # timeout scan, or the output was already late).  Failed, as the scan would have.
                             self.router.release(rec[0], failed=True)
@@ -231,7 +244,7 @@ class Frontend:
                 next_scan = now + 0.01
                 expired = []
                 for idx in inflight:
-                    if now - arrivals[idx] > request_timeout_s:
+                    if now - start[idx] > request_timeout_s:
                         expired.append(idx)
                     else:
                         break
@@ -243,12 +256,23 @@ class Frontend:
                 if expired:
                     worked = True
                     _warn_timeout(expired, base, request_timeout_s)
+                    if admission and now - last_out > request_timeout_s:
+                        left = np.flatnonzero(status == STATUS_PENDING)
+                        log.warning("nothing came back for %.1f s (more than runtime.request_timeout_s=%g s) "
+                                    "while requests were in flight: the pipeline is stalled; the session "
+                                    "stops, its %d unfinished request(s) failed", now - last_out,
+                                    request_timeout_s, len(left))
+                        for idx in list(inflight):
+                            self.router.release(inflight.pop(idx)[0], failed=True)
+                        status[left] = STATUS_TIMEOUT
+                        resolved = n
+                        self.stalled = True
             if worked:
                 backoff.reset()
             else:
                 wake = t0 + arrivals[next_i] if next_i < n and len(inflight) < max_inflight else None
                 if inflight:  # the oldest request's deadline (a quiet sleep may last 100 ms)
-                    due = max(t0 + arrivals[next(iter(inflight))] + request_timeout_s, t0 + next_scan)
+                    due = max(t0 + start[next(iter(inflight))] + request_timeout_s, t0 + next_scan)
                     wake = due if wake is None else min(wake, due)
                 t_idle = time.perf_counter()
                 backoff.idle(t_idle, wake, bool(self.inbox.pending) or self.outbox.in_flight(t_idle),
@@ -297,6 +321,13 @@ class Frontend:
                                                  [routes[k] for k in pos], sel), rank)
         self.tracer.span("admit_send", t_a, time.perf_counter(), ids)
         return finished
+
+    def admit_rows(self, rows: list[int], inflight: dict[int, list[Any]], get_inputs: Callable[..., Any],
+                   admit_s: Any, done_s: Any, status: Any, now: float,
+                   on_done: Callable[[int, list[torch.Tensor]], None]) -> int:
+        """Server mode's admission (:mod:`hpcsplit.runtime.server.serve`): rows numbered by their global
+        request ids (``get_inputs`` gets those), outputs kept; the per-row records are mappings."""
+        return self._admit(rows, inflight, get_inputs, admit_s, done_s, status, now, True, 0.0, on_done, 0)
 
     # ------------------------------------------------------------------ control
     def stop_all(self, timeout_s: float = 30.0) -> None:

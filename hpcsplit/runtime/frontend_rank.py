@@ -20,12 +20,25 @@ from hpcsplit.core.mpi import MPI
 from hpcsplit.errors import RequestTimeoutError, RuntimeStageError, VerificationError
 from hpcsplit.runtime import benchmark
 from hpcsplit.runtime import transport as tp
-from hpcsplit.runtime.batch_files import OutputWriter, check_output_path, host_row, read_inputs
+from hpcsplit.runtime.batch_files import check_output_path, host_row
+from hpcsplit.runtime.batch_stream import (
+    FAIL_REASONS,
+    FAIL_TIMEOUT,
+    ChunkFeed,
+    InputSource,
+    Progress,
+    StreamWriter,
+    chunk_rows_for,
+    memory_source,
+    open_inputs,
+    peak_rss_mb,
+)
 from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
 from hpcsplit.runtime.faults import JobInterrupted, RankSilentError
-from hpcsplit.runtime.frontend import STATUS_OK, Frontend, SessionResult, request_getter
+from hpcsplit.runtime.frontend import STATUS_TIMEOUT, Frontend, SessionResult, request_getter
 from hpcsplit.runtime.routing import Dataflow
+from hpcsplit.runtime.server.serve import run_server
 
 __all__ = ["run_frontend"]
 
@@ -132,6 +145,8 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
                 vsum["end_to_end"] = _check_end_to_end(ctx, fe, vname)
             if batch is not None:
                 vsum.update(_batch_mode(ctx, fe, batch))
+            elif rt.mode == "server":  # [Note: server mode] in hpcsplit.runtime.server.serve
+                vsum.update(run_server(ctx, fe))
             else:
                 bench_results[vname] = benchmark.run_levels(ctx, fe, vname)
             summary["variants"][vname] = vsum
@@ -169,64 +184,161 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
 
 
 # ------------------------------------------------------------------------------------- batch mode
-BatchInputs = tuple[list[torch.Tensor], str, Path]
+BatchInputs = tuple[InputSource, str, StreamWriter, int]
+
+
+class TooManyFailures(RuntimeStageError):
+    """More rows failed than ``runtime.max_failures``."""
 
 
 def _batch_inputs(ctx: RankContext, df: Dataflow) -> BatchInputs:
-    """Batch mode's inputs, checked against the switchboard, and the checked output path: before any work
-    (``[Note: batch outputs on disk]`` in :mod:`hpcsplit.runtime.batch_files`)."""
+    """Batch mode's inputs, checked against the switchboard, and the outputs file, checked or resumed:
+    before any work (``[Note: streaming batch mode]`` in :mod:`hpcsplit.runtime.batch_stream`)."""
     rt = ctx.runtime
     out_path = check_output_path(Path(rt.output_path) if rt.output_path else ctx.paths.batch_outputs, rt.overwrite)
     if rt.input_path:
         specs = {s.name: s for s in ctx.switchboard.layout.inputs}
-        arrays = read_inputs(rt.input_path, df.inputs, [specs[n] for n in df.inputs] if set(df.inputs) <= set(specs)
-                             else None)
-        inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        src = str(rt.input_path)
+        src = open_inputs(rt.input_path, df.inputs, [specs[n] for n in df.inputs] if set(df.inputs) <= set(specs)
+                          else None)
+        label = str(rt.input_path)
     else:
-        inputs = [torch.as_tensor(x) for x in ctx.switchboard.example_inputs(rt.num_samples)]
-        src = f"switchboard example inputs x{rt.num_samples}"
-    say(0, f"batch mode: {int(inputs[0].shape[0])} requests from {src} -> {out_path} (checked)")
-    return inputs, src, out_path
+        src = memory_source([np.asarray(x) for x in ctx.switchboard.example_inputs(rt.num_samples)], df.inputs)
+        label = f"switchboard example inputs x{rt.num_samples}"
+    chunk = chunk_rows_for(src, rt.chunk_rows, rt.max_inflight)
+    try:
+        writer = StreamWriter(out_path, df.outputs, src.n, src.fingerprint(),
+                              str(getattr(ctx.switchboard, "sha256", "") or ""), rt.overwrite, group_rows=chunk)
+    except BaseException:
+        src.close()
+        raise
+    say(0, f"batch mode: {src.n} rows from {label} ({len(src.shards)} file(s), checked) -> {writer.stream}: "
+           f"{writer.resumed} rows done already (kept), {src.n - writer.resumed} to serve")
+    return src, label, writer, chunk
+
+
+SEGMENT_ROWS = 1 << 16  # rows per Frontend.run session: its per-request arrays stay this size, whatever n
+LATENCY_SAMPLE = 4096  # latencies kept per session for the summary's percentiles
+
+
+def _too_many(n: int, limit: int, writer: StreamWriter) -> TooManyFailures:
+    return TooManyFailures(
+        f"{n} rows failed (timed out), more than runtime.max_failures={limit}: stopping. The rows done are "
+        f"kept in {writer.stream}; find the slow component in the log, then re-run the same command to continue")
+
+
+def _batch_pass(ctx: RankContext, fe: Frontend, src: InputSource, writer: StreamWriter, rows: np.ndarray,
+                chunk: int, prog: Progress, failed_before: int, lat: list[np.ndarray]) -> np.ndarray:
+    """Serve ``rows`` (sorted) of ``src`` into ``writer`` in sessions of :data:`SEGMENT_ROWS`, admission-timed
+    (``Frontend.run(admission=True)``); returns the rows that failed.  Latency samples go to ``lat``."""
+    rt = ctx.runtime
+    limit = rt.max_failures
+    bdi, bdo = fe.df.input_bdims, fe.df.output_bdims
+    feed = ChunkFeed(src, rows, chunk)
+    failed: list[np.ndarray] = []
+    nfail = [failed_before, time.perf_counter()]
+    lo = 0
+
+    def failures() -> None:
+        now = time.perf_counter()
+        if now - nfail[1] > 0.5:
+            nfail[0] = failed_before + sum(map(len, failed)) + int((fe.partial.status == STATUS_TIMEOUT).sum())
+            nfail[1] = now
+            if limit is not None and nfail[0] > limit:
+                raise _too_many(nfail[0], limit, writer)
+
+    def get(idx: np.ndarray) -> list[torch.Tensor]:
+        ts = [torch.from_numpy(a) for a in feed.get(lo + idx)]
+        failures()
+        return [t.movedim(0, bdi[i][0]) if bdi[i][0] else t for i, t in enumerate(ts)]
+
+    def done(i: int, outs: list[torch.Tensor]) -> None:
+        p = fe.partial
+        # host_row's numpy views keep their receive buffer from reuse (transport._BufferPool) until written
+        writer.row(int(rows[lo + i]), [host_row(r, bdo[j][0]) for j, r in enumerate(outs)],
+                   float(p.done_s[i] - p.admit_s[i]) * 1e3)
+        prog.tick(writer.written, int(nfail[0]))
+
+    try:
+        for lo in range(0, len(rows), SEGMENT_ROWS):  # get() and done() read lo
+            seg = rows[lo:lo + SEGMENT_ROWS]
+            res = fe.run(np.zeros(len(seg)), get, done, rt.request_timeout_s, rt.max_inflight, admission=True)
+            ms = ((res.done_s - res.admit_s)[res.ok] * 1e3).astype(np.float32)
+            lat.append(ms[:: max(1, len(ms) // LATENCY_SAMPLE)])
+            failed.append(seg[~res.ok])
+            if fe.stalled:  # nothing comes back: the rows after this session fail too (a re-run serves them)
+                failed.append(rows[lo + SEGMENT_ROWS:])
+                break
+    finally:
+        feed.close()
+    return np.concatenate(failed) if failed else np.zeros(0, dtype=np.int64)
 
 
 def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str, Any]:
     rt = ctx.runtime
-    inputs, src, out_path = batch
-    bdi = fe.df.input_bdims
-    inputs = [x.movedim(0, bdi[i][0]) if bdi[i][0] else x for i, x in enumerate(inputs)]
-    n = int(inputs[0].shape[bdi[0][0]])
-    get = request_getter(fe.df, inputs)
-    bdo = fe.df.output_bdims
-    writer = OutputWriter(out_path, fe.df.outputs, n)
-
-    def done(i: int, rows: list[torch.Tensor]) -> None:
-        writer.row(i, [host_row(r, bdo[j][0]) for j, r in enumerate(rows)])
-
-    say(0, f"batch mode: {n} requests from {src} -> {out_path} (written as they finish)")
+    src, label, writer, chunk = batch
+    n, kept = src.n, writer.resumed
+    todo = writer.todo
+    prog = Progress(n, kept, rt.progress_s, lambda m: say(0, m), ctx.paths.run_dir / "batch-progress.txt")
+    stopped = ctx.paths.run_dir / "batch-interrupted.txt"  # for slurm/infer.sbatch: requeue, not a failure
+    stopped.unlink(missing_ok=True)
+    (ctx.paths.run_dir / "batch-progress.txt").unlink(missing_ok=True)  # an earlier run's
+    say(0, f"batch mode: serving {len(todo)} of {n} rows from {label} in chunks of {chunk} rows "
+           f"(max_inflight {rt.max_inflight}) -> {writer.stream}")
+    t0 = time.perf_counter()
+    lat: list[np.ndarray] = []
+    failed = retried = np.zeros(0, dtype=np.int64)
     try:
-        res = fe.run(np.zeros(n), get, done, rt.request_timeout_s, rt.max_inflight)
+        if len(todo):
+            retried = _batch_pass(ctx, fe, src, writer, todo, chunk, prog, 0, lat)
+            if len(retried) and not fe.stalled:
+                say(0, f"batch mode: {len(retried)} rows failed (timed out); retrying them once")
+                writer.flush()
+                failed = _batch_pass(ctx, fe, src, writer, retried, chunk, prog, len(retried), lat)
+                writer.fail(failed, FAIL_TIMEOUT)
+            elif len(retried):
+                failed = retried
+                say(0, f"batch mode: the pipeline stalled: {len(failed)} rows not served (no retry); a "
+                       "silent rank is named at the end of the job")
+                writer.fail(failed, FAIL_TIMEOUT)
+                if rt.max_failures is not None and len(failed) > rt.max_failures:
+                    raise _too_many(len(failed), rt.max_failures, writer)
+        writer.flush()
+        prog.tick(writer.written, len(failed), force=True)
     except BaseException as e:
-        p = fe.partial
         try:
-            writer.close(p.status == STATUS_OK, p.latency_ms)
-            saved = (f"wrote the {int(writer.done.sum())} finished of {n} outputs to {out_path} (its 'done' mask "
-                     "marks them; the other rows are zeros)")
+            writer.close()
+            saved = (f"{int(writer.done.sum())} of {n} rows are done in {writer.path} ({writer.written} this run, "
+                     f"{kept} kept from before); re-run the same command (or let SLURM requeue the job) to serve "
+                     "the rest")
         except Exception as e2:  # noqa: BLE001 - the first error is the one to report
-            saved = f"could not write the finished outputs to {out_path} ({type(e2).__name__}: {e2})"
-        say(0, f"stopping on error: {saved}")
+            saved = f"could not flush the finished rows to {writer.stream} ({type(e2).__name__}: {e2})"
+        src.close()
+        say(0, f"stopping: {saved}")
         if isinstance(e, JobInterrupted):
-            raise JobInterrupted(f"{e}; {saved}") from None
+            try:
+                stopped.write_text(f"{e}; {saved}\n")
+            except OSError as e2:  # the marker is for slurm/infer.sbatch; the error below is the record
+                say(0, f"could not write {stopped} ({e2.strerror})")
+        if isinstance(e, JobInterrupted | TooManyFailures):
+            raise type(e)(f"{e}; {saved}") from None
         raise
-    writer.close(res.ok, res.latency_ms)
-    lat = res.latency_ms[res.ok]
-    failed_ids = [int(i) for i in np.flatnonzero(~res.ok)]
-    say(0, f"batch mode: {int(res.ok.sum())}/{n} done in {res.wall_s:.2f} s "
-           f"({res.ok.sum() / res.wall_s:.1f} req/s), outputs in {out_path}")
+    wall = time.perf_counter() - t0
+    out = writer.close()
+    src.close()
+    lats = np.concatenate(lat) if lat else np.zeros(0)
+    served = writer.written
+    rss = peak_rss_mb()
+    say(0, f"batch mode: {int(writer.done.sum())}/{n} rows done ({served} served in {wall:.2f} s: "
+           f"{served / wall if wall else 0:.1f} rows/s; {kept} kept from an earlier run), {len(retried)} retried, "
+           f"{len(failed)} failed; outputs in {out}; frontend peak RSS {rss or 0:.0f} MiB")
+    if len(failed):
+        say(0, f"batch mode: failed rows (first 100): {failed[:100].tolist()} ({FAIL_REASONS[FAIL_TIMEOUT]})")
     return {
-        "requests": n, "done": int(res.ok.sum()), "failed": len(failed_ids), "failed_ids": failed_ids,
-        "output_path": str(out_path), "wall_s": res.wall_s,
-        "throughput_rps": float(res.ok.sum() / res.wall_s) if res.wall_s else None,
-        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+        "requests": n, "rows": n, "kept": kept, "served": served, "done": int(writer.done.sum()),
+        "retried": len(retried), "failed": len(failed), "failed_ids": [int(i) for i in failed[:100]],
+        "output_path": str(out), "wall_s": wall, "chunk_rows": chunk,
+        "throughput_rps": float(served / wall) if wall else None,
+        "frontend_peak_rss_mb": rss,
+        "p50_ms": float(np.percentile(lats, 50)) if lats.size else None,
+        "p99_ms": float(np.percentile(lats, 99)) if lats.size else None,
     }

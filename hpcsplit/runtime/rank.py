@@ -13,6 +13,7 @@ import torch
 
 from hpcsplit.core import mpi as _mpi
 from hpcsplit.core.cluster import slice_fraction
+from hpcsplit.core.detect import RANK_DEVICES_VAR
 from hpcsplit.core.device import full_fp32_on_gpu
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan, RankEntry
@@ -51,6 +52,10 @@ def bind_device(plan: Plan, entry: RankEntry, rank: int) -> torch.device:
         raise RuntimeStageError(f"rank {rank}: the GPU plan gives component {entry.component!r} no gpu or no "
                                 f"slice_gb (gpu={gpu}, slice_gb={slice_gb}); re-run the allocate stage")
     n = torch.cuda.device_count()
+    if os.environ.get(RANK_DEVICES_VAR):
+        # launcher=local gave this rank its own MIG instance (CUDA_VISIBLE_DEVICES is that one UUID):
+        # the plan's GPU index names the physical GPU, and the instance is this process's cuda:0.
+        gpu = 0
     if gpu >= n:
         raise RuntimeStageError(
             f"rank {rank}: plan says GPU {gpu} but this rank sees {n} GPU(s) "
@@ -92,9 +97,11 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
         )
     graph = graph_from_switchboard(sb)
     variants: list[tuple[str, Dataflow]] = []
-    if rt.mode == "bench":
+    whole_only = rt.mode == "server" and rt.server_model == "whole"  # the unsplit baseline behind the endpoint
+    if rt.mode == "bench" or whole_only:
         variants.append(("whole", build_dataflow(whole_plan(plan), whole_graph_of(graph))))
-    variants.append(("split", build_dataflow(plan, graph)))
+    if not whole_only:
+        variants.append(("split", build_dataflow(plan, graph)))
     if rank == 0:
         say(rank, "plan:\n" + plan.format())
         for vname, df in variants:

@@ -18,7 +18,7 @@ from hpcsplit.errors import ConfigError
 __all__ = ["SETTINGS", "BenchSettings", "FaultSettings", "RuntimeSettings", "TraceSettings", "stage_settings"]
 
 
-Mode = Literal["batch", "bench"]
+Mode = Literal["batch", "bench", "server"]
 
 
 def _over_defaults(group: str, given: Any, nullable: frozenset[str]) -> Any:
@@ -112,9 +112,23 @@ class RuntimeSettings:
     stop_grace_s: float
     load_timeout_s: float
     overwrite: bool
+    chunk_rows: int | None  # batch mode: rows read per input chunk (None: about 32 MiB of inputs)
+    max_failures: int | None  # batch mode: stop the job once more rows than this failed (None: never)
+    progress_s: float  # batch mode: a progress line this often
+    server_host: str | None  # server mode: the address to listen on (None: this node's own)
+    server_http_port: int
+    server_grpc_port: int
+    server_token: bool
+    server_max_body_mb: float
+    server_queue: int
+    server_max_batch: int
+    server_drain_s: float
+    server_status_s: float
+    server_model: Literal["split", "whole"]
 
     _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
-                           "doorbell_network"})
+                           "doorbell_network", "chunk_rows", "max_failures",
+                           "server_host"})
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RuntimeSettings:
@@ -134,7 +148,7 @@ class RuntimeSettings:
         values = _over_defaults("runtime", cfg.get("runtime"), cls._NULLABLE)
         keys = tuple(f.name for f in fields(cls))
         c = Checker("runtime", values, keys)
-        mode = c.choice("mode", (None, "batch", "bench"))
+        mode = c.choice("mode", (None, "batch", "bench", "server"))
         if mode is None:
             mode = "bench" if cfg.get("stage") == "bench" else "batch"
         policy = c.string("omp_wait_policy", none=True)
@@ -179,6 +193,19 @@ class RuntimeSettings:
             stop_grace_s=c.number("stop_grace_s", lo=0),
             load_timeout_s=c.number("load_timeout_s", lo=0, lo_open=True),
             overwrite=c.boolean("overwrite"),
+            chunk_rows=c.integer("chunk_rows", lo=1, none=True),
+            max_failures=c.integer("max_failures", lo=0, none=True),
+            progress_s=c.number("progress_s", lo=0, lo_open=True),
+            server_host=c.string("server_host", none=True),
+            server_http_port=c.integer("server_http_port", lo=0, hi=65535),
+            server_grpc_port=c.integer("server_grpc_port", lo=0, hi=65535),
+            server_token=c.boolean("server_token"),
+            server_max_body_mb=c.number("server_max_body_mb", lo=0, lo_open=True),
+            server_queue=c.integer("server_queue", lo=1),
+            server_max_batch=c.integer("server_max_batch", lo=1),
+            server_drain_s=c.number("server_drain_s", lo=0),
+            server_status_s=c.number("server_status_s", lo=0, lo_open=True),
+            server_model=c.choice("server_model", ("split", "whole")),
         )
         c.done()
         return out

@@ -41,6 +41,7 @@ __all__ = [
     "capture",
     "data_nodes",
     "dataflow_graph",
+    "live_data_nodes",
     "measure_nodes",
     "module_path",
 ]
@@ -263,6 +264,32 @@ def data_nodes(gm: fx.GraphModule) -> set[str]:
     return out
 
 
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    out = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if out is None:  # pragma: no cover - every GraphModule has one
+        return []
+    return [a for a in pytree.tree_flatten(out.args)[0] if isinstance(a, fx.Node)]
+
+
+def live_data_nodes(gm: fx.GraphModule) -> set[str]:
+    """The data nodes from which a model output is reached through data nodes (see [Note: data nodes]).
+
+    A value computed but never used for an output (the averaged attention weights that
+    ``nn.MultiheadAttention`` returns beside its output, a tensor read only for its shape) is dead
+    for the analysis: left in, it would be a sink next to the outputs and hide every region.
+    """
+    keep = data_nodes(gm)
+    live: set[str] = set()
+    stack = [n for n in _output_nodes(gm) if n.name in keep]
+    while stack:
+        n = stack.pop()
+        if n.name in live:
+            continue
+        live.add(n.name)
+        stack.extend(a for a in n.all_input_nodes if a.name in keep and a.name not in live)
+    return live
+
+
 def module_path(node: fx.Node) -> str:
     """Innermost module path of a node (``""`` for code in the model's own forward)."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -382,8 +409,32 @@ def measure_nodes(
     }
 
 
-def dataflow_graph(cg: ComputeGraph, costs: Mapping[str, NodeCost], *, cost: str = "measured") -> nx.DiGraph:
-    """The dataflow graph analysed by :func:`hpcsplit.switchboard.regions.partition`.
+def _same_op_median(gm: fx.GraphModule, costs: Mapping[str, NodeCost], keep: set[str]) -> dict[str, float]:
+    """Measured ms per node, each the median over the nodes doing the same operation (operator,
+    FLOPs and output bytes: the same layer of every block of a chain).
+
+    One timing pass on a loaded machine times each node once, a preempted one at many times its
+    siblings; identical operations take the same time, so each gets their median, and a chain of
+    equal blocks is cut between blocks however noisy the pass was.
+    """
+    target = {n.name: str(n.target) for n in gm.graph.nodes}
+    same: dict[tuple[str, float, int], list[float]] = {}
+    for k in keep:
+        c = costs.get(k)
+        if c is not None:
+            same.setdefault((target[k], c.flops, c.bytes_per_sample), []).append(float(c.latency_ms))
+    median = {key: sorted(v)[len(v) // 2] for key, v in same.items()}
+    return {k: median[(target[k], c.flops, c.bytes_per_sample)] for k in keep if (c := costs.get(k)) is not None}
+
+
+def dataflow_graph(
+    cg: ComputeGraph, costs: Mapping[str, NodeCost], *, cost: str = "measured", compute_gflops: float = 30.0
+) -> nx.DiGraph:
+    """The dataflow graph analysed by :func:`hpcsplit.switchboard.regions.decide`.
+
+    Only live data nodes (:func:`live_data_nodes`) are in it. Node ``work`` is the FLOP estimate
+    (deterministic: shapes only), ``ms`` the measured latency (``cost="measured"``) or the FLOPs at
+    ``compute_gflops`` (``cost="flops"``); ``output`` marks the nodes that are model outputs.
 
     Parameters
     ----------
@@ -392,23 +443,32 @@ def dataflow_graph(cg: ComputeGraph, costs: Mapping[str, NodeCost], *, cost: str
     costs
         From :func:`measure_nodes`.
     cost
-        ``"measured"`` (node work = latency in ms) or ``"flops"`` (an estimate; deterministic).
+        What ``ms`` holds: ``"measured"`` latency or ``"flops"`` converted at ``compute_gflops``.
+    compute_gflops
+        Nominal compute throughput (GFLOP/s) for ``cost="flops"``.
     """
     if cost not in ("measured", "flops"):
         raise CaptureError(f"found cost={cost!r}; needed 'measured' or 'flops'")
-    keep = data_nodes(cg.module)
+    if not compute_gflops > 0:
+        raise CaptureError(f"found compute_gflops={compute_gflops!r}; needed a positive number")
+    keep = live_data_nodes(cg.module)
+    outputs = {n.name for n in _output_nodes(cg.module)}
+    measured = _same_op_median(cg.module, costs, keep) if cost == "measured" else {}
     g = nx.DiGraph()
     for n in cg.module.graph.nodes:
         if n.name not in keep:
             continue
         c = costs.get(n.name)
-        work = 0.0 if c is None else (c.latency_ms if cost == "measured" else c.flops)
+        flops = 0.0 if c is None else float(c.flops)
+        ms = flops / (compute_gflops * 1e6) if cost == "flops" or c is None else measured[n.name]
         g.add_node(
             n.name,
-            work=work,
+            work=flops,
+            ms=ms,
             bytes=0 if c is None else c.bytes_per_sample,
             module=module_path(n),
             input=n.op == "placeholder",
+            output=n.name in outputs,
         )
         for a in n.all_input_nodes:
             if a.name in keep:

@@ -8,10 +8,20 @@
   tests, or a local checkpoint), wrapped so that
   ``forward(pixel_values, input_ids, attention_mask)`` returns ``logits_per_image``
   (or ``(logits_per_image, logits_per_text)``).
+- ``factory`` (:func:`build_factory`): the user's own function ``pkg.module:build``, imported from the
+  Python path, returning the model and its example inputs.
+- ``hf`` (:func:`build_hf`): any ``transformers`` model class from a config (random weights) or a local
+  checkpoint, wrapped as :class:`HFTensors` (keyword tensors in, a dict of the chosen outputs out), with
+  example inputs shaped from the config (:func:`hf_example_inputs`).
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +29,19 @@ from torch import nn
 
 from hpcsplit.errors import ConfigError
 
-__all__ = ["ClipLogits", "ToyMLP", "build_clip", "build_toy", "example_inputs"]
+__all__ = [
+    "HF_INPUTS",
+    "ClipLogits",
+    "HFTensors",
+    "ToyMLP",
+    "build_clip",
+    "build_factory",
+    "build_hf",
+    "build_toy",
+    "example_inputs",
+    "hf_example_inputs",
+    "import_target",
+]
 
 
 class _Block(nn.Module):
@@ -195,3 +217,349 @@ def example_inputs(
         attention_mask = torch.ones(batch_size, length, dtype=torch.long)
         return pixel_values, input_ids, attention_mask
     raise ConfigError(f"found model name {name!r}; needed one of toy_mlp, clip, clip_tiny")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The user's own model: ``model=factory`` (a function of the user's) and ``model=hf`` (a transformers
+# class). [Note: user models] Importing the user's module runs the user's code: that is the user's own
+# choice on the command line (``model.target=``), unlike loading a switchboard, profile or plan, which
+# never runs code from the file.
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(v).__name__ for v in value[:4])})"
+    return f"a {type(value).__name__}"
+
+
+def _tensor_inputs(target: str, inputs: Any) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """Example inputs as ``(args, kwargs)``: a tensor, a tuple/list of tensors or a dict name -> tensor."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, tuple | list) and inputs and all(isinstance(t, torch.Tensor) for t in inputs):
+        return tuple(inputs), {}
+    if (
+        isinstance(inputs, Mapping)
+        and inputs
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in inputs.items())
+    ):
+        return (), dict(inputs)
+    raise ConfigError(
+        f"model.target={target!r} gave example inputs that are {_describe(inputs)}; needed a tensor, a "
+        "non-empty tuple of tensors or a dict name -> tensor (dim 0 is the batch)"
+    )
+
+
+def import_target(target: str) -> Any:
+    """The object ``pkg.module:name`` names, imported from the Python path.
+
+    Raises
+    ------
+    ConfigError
+        A malformed target, a module that is not on the path or fails to import, a missing name.
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr or not all(p.isidentifier() for p in module_name.split(".")) \
+            or not all(p.isidentifier() for p in attr.split(".")):
+        raise ConfigError(
+            f"found model.target={target!r}; needed 'package.module:function' "
+            "(e.g. model.target=examples.custom.model:build)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ConfigError(
+                f"model.target={target!r}: found no module {e.name!r} on the Python path (the current "
+                f"directory is {os.getcwd()}); run from the folder that holds it, or add that folder to "
+                "PYTHONPATH"
+            ) from e
+        raise ConfigError(f"model.target={target!r}: importing {module_name} failed: {e}") from e
+    except Exception as e:  # the user's module raised while importing
+        raise ConfigError(
+            f"model.target={target!r}: importing {module_name} raised {type(e).__name__}: {e}"
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise ConfigError(
+                f"model.target={target!r}: module {module_name} has no {attr!r}; its callables: "
+                f"{', '.join(names) or 'none'}"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_factory(
+    target: str, kwargs: Mapping[str, Any] | None = None, *, batch_size: int = 2, seed: int = 0
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """``(model, args, kwargs)`` from the user's function ``target`` (``pkg.module:function``).
+
+    The function is called with ``kwargs`` (plus ``batch_size=`` when it takes one and ``kwargs``
+    does not set it), after ``torch.manual_seed(seed)``. It returns ``(model, example_inputs)`` or an
+    object with ``model()`` and ``example_inputs(batch_size)``; the example inputs are a tensor, a
+    tuple of tensors or a dict name -> tensor (keyword inputs).
+
+    Raises
+    ------
+    ConfigError
+        The target cannot be imported, is not callable, does not take ``kwargs``, raises, or
+        returns something else; the message names the target.
+    """
+    fn = import_target(target)
+    if not callable(fn):
+        raise ConfigError(f"model.target={target!r} is {_describe(fn)}, not a function; needed a callable")
+    call_kwargs = dict(kwargs or {})
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        sig = None
+    if sig is not None:
+        if "batch_size" in sig.parameters and "batch_size" not in call_kwargs:
+            call_kwargs["batch_size"] = batch_size
+        try:
+            sig.bind(**call_kwargs)
+        except TypeError as e:
+            raise ConfigError(
+                f"model.target={target!r} takes {sig}; model.kwargs={dict(kwargs or {})!r} does not fit: {e}"
+            ) from e
+    torch.manual_seed(seed)
+    try:
+        made = fn(**call_kwargs)
+    except Exception as e:
+        raise ConfigError(f"model.target={target!r}: calling it raised {type(e).__name__}: {e}") from e
+    if isinstance(made, tuple | list) and len(made) == 2:
+        model, inputs = made
+    elif callable(getattr(made, "model", None)) and callable(getattr(made, "example_inputs", None)):
+        try:
+            model, inputs = made.model(), made.example_inputs(batch_size)
+        except Exception as e:
+            raise ConfigError(
+                f"model.target={target!r}: its model() or example_inputs({batch_size}) raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
+    else:
+        raise ConfigError(
+            f"model.target={target!r} returned {_describe(made)}; needed (model, example_inputs) or an "
+            "object with model() and example_inputs(batch_size)"
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.target={target!r} gave a model that is {_describe(model)}; needed a torch.nn.Module")
+    args, kw = _tensor_inputs(target, inputs)
+    return model.eval(), args, kw
+
+
+# Example inputs of a transformers model, by forward parameter: which sub-config to read them from.
+HF_INPUTS = (
+    "pixel_values", "input_ids", "attention_mask", "token_type_ids", "position_ids",
+    "pixel_mask", "input_features", "is_longer",
+)
+
+
+class HFTensors(nn.Module):
+    """A transformers model with tensor-only inputs and outputs: the tensors ``inputs`` names, in that
+    order, in; a dict of the chosen ``outputs`` out. Build it with :meth:`wrap`, whose class has a
+    ``forward`` signature naming the inputs (torch.export names the switchboard's inputs after it)."""
+
+    def __init__(self, model: nn.Module, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.input_names = tuple(inputs)
+        self.output_names = tuple(outputs)
+
+    def forward(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.model(**dict(zip(self.input_names, inputs, strict=True)), return_dict=True)
+        return {name: out[name] for name in self.output_names}
+
+    @classmethod
+    def wrap(cls, model: nn.Module, inputs: Sequence[str], outputs: Sequence[str]) -> HFTensors:
+        """``cls(model, inputs, outputs)`` as an instance of a subclass whose forward is
+        ``forward(<inputs...>)``."""
+
+        def forward(self: HFTensors, *args: torch.Tensor) -> dict[str, torch.Tensor]:
+            return HFTensors.forward(self, *args)
+
+        p = inspect.Parameter
+        forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [p("self", p.POSITIONAL_OR_KEYWORD)] + [p(n, p.POSITIONAL_OR_KEYWORD) for n in inputs]
+        )
+        sub = type(type(model).__name__, (cls,), {"forward": forward, "__doc__": cls.__doc__})
+        return sub(model, inputs, outputs)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - transformers is an extra
+        raise ConfigError(
+            "found no 'transformers' package; needed for model=hf; pip install 'hpcsplit[clip]'"
+        ) from e
+    return transformers
+
+
+def _sub(config: Any, *names: str) -> Any:
+    """The first of ``config.<name>`` that exists, else ``config`` (single-tower models)."""
+    for n in names:
+        sub = getattr(config, n, None)
+        if sub is not None:
+            return sub
+    return config
+
+
+def hf_example_inputs(
+    config: Any, names: Sequence[str], batch_size: int = 2, *, seq_len: int | None = None, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random example inputs for a transformers model, shaped from its config.
+
+    ``pixel_values`` from the vision config (channels, image size), ``input_ids`` (and
+    ``attention_mask``, ``token_type_ids``, ``position_ids``) from the text config (vocabulary,
+    ``seq_len``: default 8, at most the positions it has), ``input_features`` from the audio config
+    (CLAP: ``spec_size`` x ``num_mel_bins``; Whisper-like: ``num_mel_bins`` x 2 ``max_source_positions``).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    text = _sub(config, "text_config")
+    vision = _sub(config, "vision_config")
+    audio = _sub(config, "audio_config")
+    max_pos = int(getattr(text, "max_position_embeddings", None) or 16)
+    length = seq_len or min(8, max_pos - 2 if max_pos > 4 else max_pos)  # RoBERTa-like: 2 positions fewer
+    size = getattr(vision, "image_size", 32)
+    hw = (size, size) if isinstance(size, int) else tuple(size)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name == "pixel_values":
+            out[name] = torch.randn(batch_size, getattr(vision, "num_channels", 3), *hw, generator=gen)
+        elif name == "pixel_mask":
+            out[name] = torch.ones(batch_size, *hw, dtype=torch.long)
+        elif name == "input_ids":
+            vocab = int(getattr(text, "vocab_size", 128))
+            low = 4 if vocab > 8 else 0
+            out[name] = torch.randint(low, vocab, (batch_size, length), generator=gen)
+        elif name == "attention_mask":
+            out[name] = torch.ones(batch_size, length, dtype=torch.long)
+        elif name == "token_type_ids":
+            out[name] = torch.zeros(batch_size, length, dtype=torch.long)
+        elif name == "position_ids":
+            out[name] = torch.arange(length).expand(batch_size, length).contiguous()
+        elif name == "input_features":
+            mel = int(getattr(audio, "num_mel_bins", 64))
+            if getattr(audio, "spec_size", None):  # CLAP: a spec_size x spec_size image after reshaping
+                spec = int(audio.spec_size)
+                out[name] = torch.randn(batch_size, 1, spec * max(1, spec // mel), mel, generator=gen)
+            else:  # Whisper-like encoders: [batch, mel bins, frames]
+                frames = 2 * int(getattr(audio, "max_source_positions", 1500))
+                out[name] = torch.randn(batch_size, mel, frames, generator=gen)
+        elif name == "is_longer":
+            out[name] = torch.zeros(batch_size, 1, dtype=torch.bool)
+        else:
+            raise ConfigError(
+                f"found model.inputs entry {name!r}; hpcsplit makes example inputs for {', '.join(HF_INPUTS)} "
+                "(for others, write a factory: model=factory model.target=pkg.module:build)"
+            )
+    return out
+
+
+def _subclass(obj: Any, base: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, base)
+
+
+def _forward_params(cls: Any) -> list[str]:
+    skip = {"self", "kwargs", "args", "return_loss", "return_dict", "output_attentions", "output_hidden_states",
+            "interpolate_pos_encoding", "inputs_embeds", "labels", "use_cache", "past_key_values"}
+    params = inspect.signature(cls.forward).parameters.values()
+    return [p.name for p in params if p.name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def build_hf(
+    cls: str,
+    *,
+    config: Mapping[str, Any] | None = None,
+    checkpoint: str | None = None,
+    inputs: Sequence[str],
+    outputs: Sequence[str] | None = None,
+    batch_size: int = 2,
+    seq_len: int | None = None,
+    seed: int = 0,
+) -> tuple[HFTensors, tuple[torch.Tensor, ...]]:
+    """A transformers model class wrapped as :class:`HFTensors`, and its example inputs (in ``inputs`` order).
+
+    Parameters
+    ----------
+    cls
+        A model class of ``transformers`` (``SiglipModel``, ``ClapModel``, ...).
+    config
+        Keyword arguments of the class's config (``cls.config_class``); random weights. Nothing is
+        downloaded.
+    checkpoint
+        A local directory for ``cls.from_pretrained`` (``local_files_only``; no remote code).
+    inputs, outputs
+        Forward parameters to feed (in this order) and output fields to return (null: every tensor
+        output).
+    batch_size, seq_len, seed
+        The example batch, the text length, and the seed of the weights and inputs.
+
+    Raises
+    ------
+    ConfigError
+        An unknown class, input or output (the message lists what exists), a missing checkpoint, a
+        config the class rejects.
+    """
+    tf = _transformers()
+    model_cls: Any = getattr(tf, cls, None) if cls.isidentifier() else None
+    base = getattr(tf, "PreTrainedModel", nn.Module)
+    if not _subclass(model_cls, base):
+        near = difflib.get_close_matches(cls, [n for n in dir(tf) if n.endswith("Model")], n=6, cutoff=0.5)
+        raise ConfigError(
+            f"found model.cls={cls!r}; needed a model class of transformers {tf.__version__}"
+            + (f"; close: {', '.join(near)}" if near else " (e.g. CLIPModel, SiglipModel, ClapModel)")
+        )
+    params = _forward_params(model_cls)
+    unknown = [n for n in inputs if n not in params]
+    if unknown or not inputs:
+        raise ConfigError(
+            f"found model.inputs={list(inputs)!r}" + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+            + f"; {cls}.forward takes {', '.join(params)}"
+        )
+    config = dict(config or {})
+    torch.manual_seed(seed)
+    if checkpoint:
+        if config:
+            raise ConfigError("found both model.checkpoint and model.config; needed one (the checkpoint has its config)")
+        if not os.path.isdir(checkpoint):
+            raise ConfigError(f"found model.checkpoint={checkpoint!r}; needed a local directory (nothing is downloaded)")
+        try:
+            model = model_cls.from_pretrained(checkpoint, local_files_only=True, trust_remote_code=False)
+        except Exception as e:
+            raise ConfigError(f"{cls}.from_pretrained({checkpoint!r}) failed: {type(e).__name__}: {e}") from e
+    else:
+        config_cls = model_cls.config_class
+        try:
+            cfg = config_cls(**config)
+            model = model_cls(cfg)
+        except Exception as e:
+            raise ConfigError(
+                f"model.config={config!r}: {config_cls.__name__} / {cls} refused it: {type(e).__name__}: {e}"
+            ) from e
+    model.eval()
+    example = hf_example_inputs(model.config, inputs, batch_size, seq_len=seq_len, seed=seed)
+    try:
+        with torch.no_grad():
+            out = model(**example, return_dict=True)
+    except Exception as e:
+        raise ConfigError(
+            f"{cls} did not run on example inputs {', '.join(f'{k}{list(v.shape)}' for k, v in example.items())}: "
+            f"{type(e).__name__}: {e}; set model.inputs (and model.seq_len) to what it needs"
+        ) from e
+    tensors = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+    chosen = list(outputs) if outputs else tensors
+    bad = [n for n in chosen if n not in tensors]
+    if bad or not chosen:
+        others = [k for k in out if k not in tensors]
+        raise ConfigError(
+            f"found model.outputs={list(chosen)!r}" + (f" ({', '.join(bad)} not a tensor output)" if bad else "")
+            + f"; {cls} returns the tensors {', '.join(tensors) or 'none'}"
+            + (f" (and {', '.join(others)}, which are not tensors)" if others else "")
+        )
+    return HFTensors.wrap(model, inputs, chosen).eval(), tuple(example[n] for n in inputs)

@@ -3,8 +3,8 @@
 [Note: cutting the graph]
 - Data nodes take the index of their component. Tensor nodes with no data (see [Note: data
   nodes] in capture.py: ``get_attr`` results, ``arange`` positions, ``logit_scale.exp()``) take the
-  earliest component among their users, so no cycle appears; dead nodes (asserts, ``_guards_fn``)
-  are dropped.
+  earliest component among their users, so no cycle appears (so does a data node read only for
+  its shape); dead nodes (asserts, ``_guards_fn``, values no model output uses) are dropped.
 - Parameters are copied into every piece that reads them (``torch.fx.passes.split_module`` would
   turn them into piece inputs instead, so the cut is done here, node by node).
 - Symbolic sizes (``sym_size`` and arithmetic on it) never cross between pieces: each piece
@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from hpcsplit.errors import PartitionError
-from hpcsplit.switchboard.graph import ComputeGraph, data_nodes
+from hpcsplit.switchboard.graph import ComputeGraph, live_data_nodes
 from hpcsplit.switchboard.regions import Component
 
 __all__ = ["Piece", "SplitResult", "export_piece", "run_pieces", "split_graph"]
@@ -90,7 +90,7 @@ def _drop_dead(gm: fx.GraphModule) -> None:
 
 
 def _assign(gm: fx.GraphModule, components: Sequence[Component]) -> dict[str, int]:
-    keep = data_nodes(gm)
+    keep = live_data_nodes(gm)  # a data node read only for its shape goes with its users, as a size does
     part: dict[str, int] = {}
     for i, c in enumerate(components):
         for v in c.nodes:

@@ -20,12 +20,14 @@ from torch import nn
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.settings import Checker
 from hpcsplit.errors import ConfigError
-from hpcsplit.switchboard.models import build_clip, build_toy, example_inputs
-from hpcsplit.switchboard.writer import export
+from hpcsplit.switchboard.models import build_clip, build_factory, build_hf, build_toy, example_inputs
+from hpcsplit.switchboard.writer import export, region_table
 
 __all__ = [
     "SETTINGS",
     "ClipModelSettings",
+    "FactoryModelSettings",
+    "HFModelSettings",
     "ModelSettings",
     "PartitionSettings",
     "ToyModelSettings",
@@ -110,11 +112,116 @@ class ClipModelSettings:
         return model, args, {}
 
 
-ModelSettings = ToyModelSettings | ClipModelSettings
+def _names(c: Checker, key: str, *, none: bool) -> tuple[str, ...] | None:
+    """A list of identifiers (``model.inputs=[pixel_values,input_ids]``)."""
+    v = c.get(key)
+    if v is None and none:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list | tuple) or not v or not all(isinstance(x, str) and x.isidentifier() for x in v) \
+            or len(set(v)) != len(v):
+        c.problem(f"model.{key} = {v!r}: needs a non-empty list of distinct names, e.g. [pixel_values,input_ids]")
+        return ()
+    return tuple(v)
+
+
+@dataclass(frozen=True, slots=True)
+class FactoryModelSettings:
+    """``conf/model/factory.yaml``: the user's own model, ``model.target=pkg.module:function``.
+
+    The function (imported from the Python path; ``python -m`` puts the current directory first) is
+    called with ``kwargs`` and returns ``(model, example_inputs)`` or an object with ``model()`` and
+    ``example_inputs(batch_size)``; see :func:`hpcsplit.switchboard.models.build_factory`.
+    """
+
+    name: str | None
+    target: str
+    kwargs: dict[str, Any]
+    batch_size: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> FactoryModelSettings:
+        """Read ``cfg["model"]``; every problem in one ConfigError."""
+        c = Checker("model", cfg.get("model"), _fields(cls))
+        target = c.get("target")
+        if not isinstance(target, str) or ":" not in target:
+            c.problem(
+                f"model.target = {target!r}: needs 'package.module:function' of your own, "
+                "e.g. model.target=examples.custom.model:build"
+            )
+        s = cls(
+            name=c.string("name", none=True),
+            target=str(target),
+            kwargs=c.mapping("kwargs"),
+            batch_size=c.integer("batch_size", lo=1),
+            seed=c.integer("seed"),
+        )
+        c.done()
+        return s
+
+    def build(self) -> Built:
+        """``(model, args, kwargs)`` from the user's function (its module is imported now)."""
+        return build_factory(self.target, self.kwargs, batch_size=self.batch_size, seed=self.seed)
+
+
+@dataclass(frozen=True, slots=True)
+class HFModelSettings:
+    """``conf/model/hf.yaml``: any transformers model class (``model.cls=SiglipModel``) from a config
+    (random weights) or a local checkpoint, fed ``inputs`` and returning ``outputs``; see
+    :func:`hpcsplit.switchboard.models.build_hf`."""
+
+    name: str | None
+    cls: str
+    config: dict[str, Any]
+    checkpoint: str | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...] | None
+    seq_len: int | None
+    batch_size: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> HFModelSettings:
+        """Read ``cfg["model"]``; every problem in one ConfigError."""
+        c = Checker("model", cfg.get("model"), _fields(cls))
+        model_cls = c.get("cls")
+        if not isinstance(model_cls, str) or not model_cls.isidentifier():
+            c.problem(f"model.cls = {model_cls!r}: needs a transformers model class, e.g. model.cls=SiglipModel")
+        s = cls(
+            name=c.string("name", none=True),
+            cls=str(model_cls),
+            config=c.mapping("config"),
+            checkpoint=c.string("checkpoint", none=True),
+            inputs=_names(c, "inputs", none=False) or (),
+            outputs=_names(c, "outputs", none=True),
+            seq_len=c.integer("seq_len", lo=1, none=True),
+            batch_size=c.integer("batch_size", lo=1),
+            seed=c.integer("seed"),
+        )
+        if s.checkpoint is not None and s.config:
+            c.problem("found both model.checkpoint and model.config; needed one (a checkpoint has its config)")
+        c.done()
+        if s.name is None:
+            return dataclasses.replace(s, name=s.cls)
+        return s
+
+    def build(self) -> Built:
+        """``(model, args, kwargs)``: the class wrapped as ``HFTensors`` and example inputs from its config."""
+        model, args = build_hf(
+            self.cls, config=self.config, checkpoint=self.checkpoint, inputs=self.inputs, outputs=self.outputs,
+            batch_size=self.batch_size, seq_len=self.seq_len, seed=self.seed,
+        )
+        return model, args, {}
+
+
+ModelSettings = ToyModelSettings | ClipModelSettings | FactoryModelSettings | HFModelSettings
 
 
 def model_settings(cfg: Mapping[str, Any]) -> ModelSettings:
-    """The settings of ``cfg["model"]``, by its ``name``.
+    """The settings of ``cfg["model"]``: by its ``name`` (toy, CLIP), or ``model=factory`` (a ``target``
+    key) and ``model=hf`` (a ``cls`` key), whose ``name`` is free.
 
     Raises
     ------
@@ -127,7 +234,14 @@ def model_settings(cfg: Mapping[str, Any]) -> ModelSettings:
         return ToyModelSettings.from_config(cfg)
     if name in CLIP_NAMES:
         return ClipModelSettings.from_config(cfg)
-    raise ConfigError(f"found model.name={name!r}; needed one of toy_mlp, clip, clip_tiny (conf/model/)")
+    if isinstance(node, Mapping) and "target" in node:
+        return FactoryModelSettings.from_config(cfg)
+    if isinstance(node, Mapping) and "cls" in node:
+        return HFModelSettings.from_config(cfg)
+    raise ConfigError(
+        f"found model.name={name!r}; needed one of toy_mlp, clip, clip_tiny (conf/model/), or your own model: "
+        "model=factory model.target=pkg.module:build, or model=hf model.cls=SiglipModel"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +252,14 @@ class PartitionSettings:
     stages: int | None
     max_stage_ms: float | None
     min_branch_fraction: float
+    min_component_fraction: float
     max_branches: int
+    force: bool
+    compute_gflops: float
+    transport_gb_s: float
+    hop_ms: float
     cut_slack: float
+    tie_margin: float
     cost: str
     timing_batch: int | None
     timing_repeats: int
@@ -157,8 +277,14 @@ class PartitionSettings:
             stages=c.integer("stages", lo=1, none=True),
             max_stage_ms=c.number("max_stage_ms", lo=0, lo_open=True, none=True),
             min_branch_fraction=c.number("min_branch_fraction", lo=0, hi=1),
+            min_component_fraction=c.number("min_component_fraction", lo=0, hi=1),
             max_branches=c.integer("max_branches", lo=1),
+            force=c.boolean("force"),
+            compute_gflops=c.number("compute_gflops", lo=0, lo_open=True),
+            transport_gb_s=c.number("transport_gb_s", lo=0, lo_open=True),
+            hop_ms=c.number("hop_ms", lo=0),
             cut_slack=c.number("cut_slack", lo=0),
+            tie_margin=c.number("tie_margin", lo=0, hi=1),
             cost=c.choice("cost", ("measured", "flops")),
             timing_batch=c.integer("timing_batch", lo=1, none=True),
             timing_repeats=c.integer("timing_repeats", lo=1),
@@ -171,6 +297,10 @@ class PartitionSettings:
             )
         c.done()
         return s
+
+    def export_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`hpcsplit.switchboard.writer.export` these settings give."""
+        return {f: getattr(self, f) for f in _fields(type(self)) if f != "method"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +320,10 @@ class VerifySettings:
 
 
 SETTINGS: dict[str, type | dict[str, type]] = {
-    "model": {"toy_mlp": ToyModelSettings, "clip": ClipModelSettings, "clip_tiny": ClipModelSettings},
+    "model": {
+        "toy_mlp": ToyModelSettings, "clip": ClipModelSettings, "clip_tiny": ClipModelSettings,
+        "factory": FactoryModelSettings, "hf": HFModelSettings,
+    },
     "partition": PartitionSettings,
     "verify": VerifySettings,
 }
@@ -233,21 +366,14 @@ def run_export(cfg: dict, run_dir: Path) -> dict:
         kwargs,
         out=out,
         name=ms.name,
-        stages=ps.stages,
-        max_stage_ms=ps.max_stage_ms,
         atol=vs.atol,
         rtol=vs.rtol,
-        timing_batch=ps.timing_batch,
-        timing_repeats=ps.timing_repeats,
-        cost=ps.cost,
-        device=ps.device,
-        min_branch_fraction=ps.min_branch_fraction,
-        max_branches=ps.max_branches,
-        cut_slack=ps.cut_slack,
+        **ps.export_options(),
     )
     v = sb.layout.verification
     print(f"switchboard {out}  ({sb.model_name}, sha256 {sb.sha256[:12]})")
     print(sb.table())
+    print(region_table(sb.layout.partition))
     print(
         f"verified at batch {v.get('batch_size')}: max abs diff {v.get('max_abs_diff'):.3g}, "
         f"max rel diff {v.get('max_rel_diff'):.3g} (atol {v.get('atol')}, rtol {v.get('rtol')})"

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hpcsplit.errors import SwitchboardError
+from hpcsplit.errors import PartitionError, SwitchboardError
 from hpcsplit.switchboard import layout as L
 from hpcsplit.switchboard.graph import ComputeGraph, capture, dataflow_graph, measure_nodes
 from hpcsplit.switchboard.reader import Switchboard
-from hpcsplit.switchboard.regions import find_regions, partition
+from hpcsplit.switchboard.regions import RuntimeCost, decide
 from hpcsplit.switchboard.split import export_piece, run_pieces, split_graph
 from hpcsplit.switchboard.verify import compare_outputs
 
@@ -31,7 +31,13 @@ DEFAULT_RTOL = L.DEFAULT_RTOL
 _LAYOUT = L.LAYOUT_FILE
 _GOLDEN = L.GOLDEN_FILE
 
-__all__ = ["export"]
+__all__ = ["export", "region_table"]
+
+# Defaults of the benefit-vs-cost rule (conf/partition/dominator.yaml holds the configured ones; the
+# figures are the project's own measurements on the 2-core development VM, docs/runtime.md):
+COMPUTE_GFLOPS = 30.0  # CPU: the ViT-B/32 vision tower, ~4.4 GFLOP a sample, computes in 139 ms
+TRANSPORT_GB_S = 0.5  # the runtime's own in-flight estimate (runtime/transport.py: 200 us + bytes at 0.5 GB/s)
+HOP_MS = 0.3  # per message to a rank that slept 10 ms: 260-349 us of Python (docs/runtime.md, tiny CLIP)
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -85,9 +91,15 @@ def export(
     cost: str = "measured",
     device: str | None = None,
     overwrite: bool = True,
-    min_branch_fraction: float = 0.05,
+    min_branch_fraction: float = 0.1,
     max_branches: int = 8,
     cut_slack: float = 0.25,
+    min_component_fraction: float = 0.02,
+    force: bool = False,
+    compute_gflops: float = COMPUTE_GFLOPS,
+    transport_gb_s: float = TRANSPORT_GB_S,
+    hop_ms: float = HOP_MS,
+    tie_margin: float = 0.25,
 ) -> Switchboard:
     """Split ``model`` into components and write a verified switchboard to ``out``.
 
@@ -105,10 +117,17 @@ def export(
         Verification tolerance against the eager model's outputs.
     dynamic_batch
         One program for every batch size (``Dim("batch")`` on dim 0).
-    timing_batch, timing_repeats, cost, device
-        The timing pass: batch, passes, ``"measured"`` latency or ``"flops"``, device.
-    min_branch_fraction, max_branches, cut_slack
-        The partition's options (see :func:`hpcsplit.switchboard.regions.partition`).
+    timing_batch, timing_repeats, device
+        The timing pass: batch (also the batch the split is decided at), passes, device.
+    cost
+        What balances sequential cuts and fills ``work_ms``: ``"measured"`` latency or ``"flops"``
+        (at ``compute_gflops``). Regions and branches are always decided on FLOPs (deterministic).
+    min_branch_fraction, min_component_fraction, max_branches, cut_slack, tie_margin
+        The partition's options (see :func:`hpcsplit.switchboard.regions.decide`).
+    force
+        Split every region the structure allows, even when its benefit does not beat its cost.
+    compute_gflops, transport_gb_s, hop_ms
+        The benefit-vs-cost rule: FLOPs to ms, activation bytes to ms, ms per added component edge.
     overwrite
         Replace an existing switchboard at ``out``.
 
@@ -122,6 +141,7 @@ def export(
     CaptureError, PartitionError, VerificationError
     """
     final = Path(out)
+    _runtime_cost(compute_gflops, transport_gb_s, hop_ms, 1)  # bad figures fail before the capture
     if final.exists():
         _check_out(final, overwrite)
     t_start = time.perf_counter()
@@ -136,15 +156,20 @@ def export(
     lap("capture")
     costs = measure_nodes(cg, batch_size=timing_batch, repeats=timing_repeats, device=device)
     lap("timing")
-    g = dataflow_graph(cg, costs, cost=cost)
+    g = dataflow_graph(cg, costs, cost=cost, compute_gflops=compute_gflops)
     partition_options: dict[str, Any] = {
-        "min_branch_fraction": min_branch_fraction, "max_branches": max_branches, "cut_slack": cut_slack
+        "min_branch_fraction": min_branch_fraction, "max_branches": max_branches, "cut_slack": cut_slack,
+        "min_component_fraction": min_component_fraction, "force": force, "compute_gflops": compute_gflops,
+        "transport_gb_s": transport_gb_s, "hop_ms": hop_ms, "tie_margin": tie_margin,
     }
-    regions = find_regions(g, min_branch_fraction=min_branch_fraction, max_branches=max_branches)
-    comps = partition(
+    decision_batch = timing_batch or cg.batch_size
+    runtime = _runtime_cost(compute_gflops, transport_gb_s, hop_ms, decision_batch)
+    result = decide(
         g, stages=stages, max_stage_ms=max_stage_ms, min_branch_fraction=min_branch_fraction,
-        max_branches=max_branches, cut_slack=cut_slack,
+        max_branches=max_branches, cut_slack=cut_slack, min_component_fraction=min_component_fraction,
+        runtime=runtime, force=force, tie_margin=tie_margin,
     )
+    comps = result.components
     lap("partition")
     split = split_graph(cg, comps)
     # golden activations: run the pieces as fx modules on the capture inputs
@@ -219,18 +244,11 @@ def export(
                 "max_stage_ms": max_stage_ms,
                 "cost": cost,
                 "options": dict(partition_options),
-                "graph_nodes": g.number_of_nodes(),
-                "total_work": sum(w for _, w in g.nodes(data="work")),
-                "regions": [
-                    {
-                        "entry": r.entry,
-                        "exit": r.exit,
-                        "kind": r.kind,
-                        "branch_sizes": [len(b) for b in r.branches],
-                        "benefit": r.benefit,
-                    }
-                    for r in regions
-                ],
+                "graph_nodes": g.number_of_nodes() - len(result.dead),
+                "dead_nodes": len(result.dead),
+                "decision_batch": decision_batch,
+                "total_flops": sum(w for v, w in g.nodes(data="work") if v not in set(result.dead)),
+                "regions": [d.to_json() for d in result.decisions],
             },
             torch_version=torch.__version__,
         )
@@ -314,3 +332,59 @@ def _edges(cg: ComputeGraph, split: Any, comps: Sequence[L.ComponentSpec]) -> tu
         edges.append(L.Edge(producer[v], v, "output", n))
     return tuple(edges)
 
+
+
+def _runtime_cost(compute_gflops: float, transport_gb_s: float, hop_ms: float, batch: int) -> RuntimeCost:
+    for name, v in (("compute_gflops", compute_gflops), ("transport_gb_s", transport_gb_s)):
+        if not (isinstance(v, int | float) and v > 0):
+            raise PartitionError(f"found {name}={v!r}; needed a positive number")
+    if not (isinstance(hop_ms, int | float) and hop_ms >= 0):
+        raise PartitionError(f"found hop_ms={hop_ms!r}; needed a number >= 0")
+    return RuntimeCost(
+        ms_per_work=1.0 / (compute_gflops * 1e6),
+        ms_per_byte=batch / (transport_gb_s * 1e6),
+        hop_ms=float(hop_ms),
+    )
+
+
+def _human_flops(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _absorbed(items: Sequence[Any]) -> str:
+    """``entry 4 (216k)``: how many small branches joined each side, and their FLOPs."""
+    sides: dict[str, list[float]] = {}
+    for side, w in items:
+        sides.setdefault(str(side), []).append(float(w))
+    return ", ".join(f"{s} {len(ws)} ({_human_flops(sum(ws))})" for s, ws in sides.items()) or "-"
+
+
+def region_table(partition: Mapping[str, Any]) -> str:
+    """Why each candidate region was or was not split: ``layout.json``'s ``partition`` as text.
+
+    One row per region: entry -> exit, the kept branches' FLOPs, the absorbed small branches (side and
+    FLOPs), the bytes per sample that would cross, benefit and cost in ms, and the decision.
+    """
+    regions = list(partition.get("regions") or [])
+    batch = partition.get("decision_batch")
+    head = f"regions (decided on FLOPs at batch {batch}; cost = added edges x hop + crossing bytes / bandwidth)"
+    if not regions:
+        return head + "\n  none: the graph has no parallel branches"
+    rows = [("region", "branch FLOPs", "absorbed", "crossing B/sample", "benefit ms", "cost ms", "decision")]
+    for d in regions:
+        costed = bool(d.get("added_edges") or d.get("cost_ms") or d.get("benefit_ms"))
+        rows.append((
+            f"{d.get('entry') or 'inputs'} -> {d.get('exit') or 'outputs'} ({d.get('kind')})",
+            " | ".join(_human_flops(float(w)) for w in d.get("branch_work") or []) or "-",
+            _absorbed(d.get("absorbed") or []),
+            str(d.get("crossing_bytes", 0)) if costed else "-",
+            f"{float(d.get('benefit_ms', 0.0)):.3g}" if costed else "-",
+            f"{float(d.get('cost_ms', 0.0)):.3g} ({d.get('added_edges', 0)} edges)" if costed else "-",
+            ("split: " if d.get("split") else "whole: ") + str(d.get("reason", "")),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return head + "\n" + "\n".join(lines)

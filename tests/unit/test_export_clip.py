@@ -24,7 +24,7 @@ def tiny() -> torch.nn.Module:
 def sb(tiny: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Switchboard:
     out = tmp_path_factory.mktemp("clip") / "switchboard"
     return hpcsplit.export(
-        tiny, example_inputs("clip_tiny", 2, model=tiny), out=out, cost="flops", timing_repeats=1
+        tiny, example_inputs("clip_tiny", 2, model=tiny), out=out, cost="flops", timing_repeats=1, force=True
     )
 
 
@@ -59,7 +59,7 @@ def test_clip_component_inputs_tile_every_batch_dim(sb: Switchboard) -> None:
 def test_clip_output_structure_is_restored(tmp_path: Path) -> None:
     model = build_clip("tiny", both_logits=True)
     xs = example_inputs("clip_tiny", 2, model=model)
-    sb = hpcsplit.export(model, xs, out=tmp_path / "sb", cost="flops", timing_repeats=1)
+    sb = hpcsplit.export(model, xs, out=tmp_path / "sb", cost="flops", timing_repeats=1, force=True)
     got = sb(*xs)
     assert isinstance(got, tuple) and len(got) == 2
     with torch.no_grad():
@@ -74,7 +74,7 @@ def test_raw_clip_model_with_keyword_inputs(tiny: torch.nn.Module, tmp_path: Pat
     clip = tiny.clip
     pv, ids, am = example_inputs("clip_tiny", 2, model=tiny)
     kw = {"pixel_values": pv, "input_ids": ids, "attention_mask": am}
-    sb = hpcsplit.export(clip, (), kw, out=tmp_path / "sb", cost="flops", timing_repeats=1)
+    sb = hpcsplit.export(clip, (), kw, out=tmp_path / "sb", cost="flops", timing_repeats=1, force=True)
     assert list(sb.order) == ["vision_model", "text_model", "head"]
     got = sb(**kw)
     with torch.no_grad():
@@ -87,7 +87,7 @@ def test_raw_clip_model_with_keyword_inputs(tiny: torch.nn.Module, tmp_path: Pat
 def test_clip_towers_cut_into_stages(tiny: torch.nn.Module, tmp_path: Path) -> None:
     # cuts inside the towers: pieces recompute the symbolic batch from their own inputs
     xs = example_inputs("clip_tiny", 2, model=tiny)
-    sb = hpcsplit.export(tiny, xs, out=tmp_path / "sb", stages=3, cost="flops", timing_repeats=1)
+    sb = hpcsplit.export(tiny, xs, out=tmp_path / "sb", stages=3, cost="flops", timing_repeats=1, force=True)
     vision = [n for n in sb.order if n.startswith("vision_model")]
     assert vision == ["vision_model_0", "vision_model_1", "vision_model_2"]
     assert all(sb.components[n].kind == "stage" for n in vision)

@@ -29,7 +29,7 @@ def toy() -> torch.nn.Module:
 def sb(toy: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Switchboard:
     out = tmp_path_factory.mktemp("toy") / "switchboard"
     return hpcsplit.export(
-        toy, example_inputs("toy_mlp", 2, model=toy), out=out, cost="flops", timing_repeats=1
+        toy, example_inputs("toy_mlp", 2, model=toy), out=out, cost="flops", timing_repeats=1, force=True
     )
 
 
@@ -110,7 +110,7 @@ def test_verify_at_another_batch(sb: Switchboard) -> None:
 
 def test_stages_cut_the_components(toy: torch.nn.Module, tmp_path: Path) -> None:
     x = example_inputs("toy_mlp", 2, model=toy)
-    sb = hpcsplit.export(toy, x, out=tmp_path / "sb", stages=2, cost="flops", timing_repeats=1)
+    sb = hpcsplit.export(toy, x, out=tmp_path / "sb", stages=2, cost="flops", timing_repeats=1, force=True)
     assert len(sb.order) > len(TOY_ORDER)
     assert any(c.kind == "stage" for c in sb.components.values())
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_stages_cut_the_components(toy: torch.nn.Module, tmp_path: Path) -> None
 
 def test_run_export_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str], compose: Any) -> None:
     cfg = compose("model=toy_mlp", "model.d_in=8", "model.hidden=16", "model.d_out=3", "partition.cost=flops",
-                  "partition.timing_repeats=1")
+                  "partition.timing_repeats=1", "partition.force=true")
     summary = run_export(cfg, tmp_path)
     assert summary["components"] == TOY_ORDER
     assert Path(summary["switchboard"]) == tmp_path / "switchboard"

@@ -51,6 +51,18 @@ def test_rank_outside_the_visible_gpus_says_so(fake_cuda: dict[str, Any]) -> Non
     assert fake_cuda["fraction"] is None
 
 
+def test_a_rank_with_its_own_mig_instance_binds_cuda_0(fake_cuda: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # launcher=local gave this rank one MIG instance of physical GPU 1: it is the process's only device.
+    monkeypatch.setenv("HPCSPLIT_RANK_CUDA_DEVICES", '["MIG-a", "MIG-b"]')
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    dev = bind_device(SimpleNamespace(device_kind="cuda"), _entry(1, 20), rank=1)
+    assert dev == torch.device("cuda", 0) and fake_cuda["device"] == dev
+    monkeypatch.delenv("HPCSPLIT_RANK_CUDA_DEVICES")
+    with pytest.raises(RuntimeStageError, match=r"plan says GPU 1 but this rank sees 1 GPU\(s\)"):
+        bind_device(SimpleNamespace(device_kind="cuda"), _entry(1, 20), rank=1)
+
+
 def test_cpu_plans_and_the_frontend_stay_on_the_cpu(fake_cuda: dict[str, Any]) -> None:
     assert bind_device(SimpleNamespace(device_kind="cpu"), _entry(0, 20), rank=1) == torch.device("cpu")
     front = SimpleNamespace(role="frontend", gpu=None, slice_gb=None, component=None)

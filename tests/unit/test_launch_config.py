@@ -219,8 +219,15 @@ def test_geometry_and_parameters(cfg_of: Cfg) -> None:
     assert _slurm.geometry(cfg, 9, nodes=2, tasks_per_node=5) == _slurm.JobGeometry(2, 5, 9)
     assert _slurm.geometry(cfg, 3, nodes=1, tasks_per_node=3) == _slurm.JobGeometry(1, 3, 3)
     params = _slurm.executor_parameters(cfg, "serve", 5)
-    assert params["additional_parameters"] == {"ntasks": 5}
+    # serve is not requeueable: --no-requeue, so a NODE_FAIL ends the job instead of queueing it again
+    assert params["additional_parameters"] == {"ntasks": 5, "no_requeue": True}
     assert params["srun_args"] == ["--mpi=pmi2", "--kill-on-bad-exit=1"]
+    assert "no_requeue" not in _slurm.executor_parameters(cfg, "profile", 8).get("additional_parameters", {})
+    # a 3 + 2 plan: room for 3 ranks on each node, the ranks placed by a hostfile
+    uneven = _slurm.executor_parameters(cfg, "serve", 5, (2, 3), [3, 2], "/r/hostfile.$SLURM_JOB_ID")
+    assert uneven["ntasks_per_node"] == 3 and "ntasks" not in uneven["additional_parameters"]
+    assert uneven["srun_args"][-2:] == ["--ntasks=5", "--distribution=arbitrary"]
+    assert "COUNTS=(3 2)" in uneven["setup"] and 'export SLURM_HOSTFILE="/r/hostfile.$SLURM_JOB_ID"' in uneven["setup"]
     dev = _slurm.executor_parameters(_cluster(cfg_of("slurm", "dev")), "probe")
     assert dev["partition"] == "debug" and dev["gpus_per_node"] == 4 and "account" not in dev
 

@@ -21,7 +21,8 @@ from hpcsplit.switchboard.reader import Switchboard
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     toy = build_toy(d_in=8, hidden=16, d_out=2)
     out = tmp_path_factory.mktemp("sb") / "switchboard"
-    hpcsplit.export(toy, example_inputs("toy_mlp", 2, model=toy), out=out, cost="flops", timing_repeats=1)
+    hpcsplit.export(toy, example_inputs("toy_mlp", 2, model=toy), out=out, cost="flops", timing_repeats=1,
+                    force=True)
     return out
 
 

@@ -1,0 +1,125 @@
+"""The v2 REST API on aiohttp (the binary tensor data extension included).
+
+Every route but ``/v2/health/live`` and ``/v2/health/ready`` needs ``Authorization: Bearer <token>`` when
+the server has a token; a missing or wrong one is refused (401) before the body is read.  A body larger
+than ``runtime.server_max_body_mb`` is refused (413) from its ``Content-Length`` (or while it is read,
+when chunked).  Errors are ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hpcsplit.runtime.server.hub import Hub
+from hpcsplit.runtime.server.protocol import RequestRejected, decode_http, encode_http
+
+__all__ = ["EXTENSIONS", "SERVER_NAME", "make_app"]
+
+SERVER_NAME = "hpcsplit"
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+_OPEN = frozenset({"/v2/health/live", "/v2/health/ready"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, msg: str, **headers: str) -> web.Response:
+    return web.json_response({"error": msg}, status=status, headers=headers or None)
+
+
+def make_app(hub: Hub, max_body: int, timeout_s: float, version: str) -> web.Application:
+    """The aiohttp application serving ``hub``'s model."""
+    spec = hub.spec
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _OPEN and not hub.check_token(request.headers.get("Authorization")):
+            hub.count(None, "unauthenticated", "http")
+            return _error(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>'; the token is "
+                               "in the file endpoint.json names)", **{"WWW-Authenticate": "Bearer"})
+        if request.content_length is not None and request.content_length > max_body:
+            hub.count(None, "too_large", "http")
+            return _error(413, f"the request body of {request.content_length} bytes is over the server's limit of "
+                               f"{max_body} bytes (runtime.server_max_body_mb)")
+        try:
+            return await handler(request)
+        except RequestRejected as e:
+            if not e.counted:
+                hub.count(None, "rejected", "http")
+            return _error(e.http_status, str(e))
+        except web.HTTPRequestEntityTooLarge:
+            hub.count(None, "too_large", "http")
+            return _error(413, f"the request body is over the server's limit of {max_body} bytes "
+                               "(runtime.server_max_body_mb)")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(e.status, f"{e.reason}: {request.method} {request.path}")
+
+    def model_of(request: web.Request) -> None:
+        spec.check_model(request.match_info["model"], request.match_info.get("version", ""))
+
+    async def live(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready(_: web.Request) -> web.Response:
+        return web.Response(status=200) if hub.is_ready() else _error(503, "not ready")
+
+    async def server_meta(_: web.Request) -> web.Response:
+        return web.json_response({"name": SERVER_NAME, "version": version, "extensions": EXTENSIONS})
+
+    async def model_meta(request: web.Request) -> web.Response:
+        model_of(request)
+        return web.json_response(spec.metadata())
+
+    async def model_ready(request: web.Request) -> web.Response:
+        model_of(request)
+        return web.Response(status=200) if hub.is_ready() else _error(503, f"model {spec.name!r} is not ready")
+
+    async def model_config(request: web.Request) -> web.Response:
+        model_of(request)
+        return web.json_response(spec.config())
+
+    async def model_stats(request: web.Request) -> web.Response:
+        if "model" in request.match_info:
+            model_of(request)
+        return web.json_response(hub.statistics())
+
+    async def infer(request: web.Request) -> web.Response:
+        model_of(request)
+        hl = request.headers.get("Inference-Header-Content-Length")
+        try:
+            header_len = int(hl) if hl is not None else None
+        except ValueError:
+            raise RequestRejected(f"Inference-Header-Content-Length {hl!r} is not a number") from None
+        body = await request.read()
+        req = decode_http(spec, body, header_len)
+        ticket = hub.submit(req, "http")
+        try:
+            outputs = await asyncio.wait_for(asyncio.shield(ticket.future), timeout_s)
+        except TimeoutError:
+            raise RequestRejected(f"no answer within {timeout_s:g} s", 504, "DEADLINE_EXCEEDED") from None
+        data, n = encode_http(spec, req, outputs)
+        if n is None:
+            return web.Response(body=data, content_type="application/json")
+        return web.Response(body=data, content_type="application/octet-stream",
+                            headers={"Inference-Header-Content-Length": str(n)})
+
+    async def metrics(_: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(hub.registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    app = web.Application(middlewares=[guard], client_max_size=max_body)
+    m = "/v2/models/{model}"
+    mv = "/v2/models/{model}/versions/{version}"
+    app.add_routes([
+        web.get("/v2/health/live", live), web.get("/v2/health/ready", ready), web.get("/v2", server_meta),
+        web.get(m, model_meta), web.get(mv, model_meta), web.get(m + "/ready", model_ready),
+        web.get(mv + "/ready", model_ready), web.get(m + "/config", model_config), web.get(mv + "/config", model_config),
+        web.get(m + "/stats", model_stats), web.get(mv + "/stats", model_stats), web.get("/v2/models/stats", model_stats),
+        web.post(m + "/infer", infer), web.post(mv + "/infer", infer), web.get("/metrics", metrics),
+    ])
+    return app

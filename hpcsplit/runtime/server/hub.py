@@ -1,0 +1,204 @@
+"""The hand-over between the servers (an asyncio thread) and the frontend loop (the rank's main thread).
+
+A checked request becomes a :class:`Ticket` and goes into a bounded :class:`queue.Queue`
+(``runtime.server_queue``): when it is full the server answers 503 / UNAVAILABLE at once, so memory
+stays bounded however fast clients send.  The frontend loop takes tickets, feeds their samples into
+the pipeline and resolves each ticket's asyncio future from its own thread
+(``loop.call_soon_threadsafe``).  After putting a ticket the server wakes the frontend rank if it sleeps
+on its doorbell (``[Note: doorbell]`` in :mod:`hpcsplit.runtime.doorbell`), so an idle server adds no
+sleep to a request.
+
+The hub also keeps the counters behind ``/v2/models/<m>/stats`` and the Prometheus metrics
+(``/metrics``), and the ready / draining state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hpcsplit.runtime import mailbox as mb
+from hpcsplit.runtime.server.protocol import InferRequest, ModelSpec, RequestRejected
+
+__all__ = ["Hub", "Ticket"]
+
+_LATENCY_BUCKETS = (5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One client request on its way: resolved with the output arrays or an error."""
+
+    req: InferRequest
+    protocol: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    compute_us: int = 0  # the longest critical-path compute of its samples
+
+    def resolve(self, result: Any) -> None:
+        """From any thread: hand the future its result (a list of arrays, or a RequestRejected)."""
+        def _set() -> None:
+            if not self.future.done():
+                if isinstance(result, BaseException):
+                    self.future.set_exception(result)
+                else:
+                    self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the loop closed (shutdown): nobody waits any more
+            pass
+
+
+class Hub:
+    """Bounded queue, readiness, counters and metrics shared by the servers and the frontend loop."""
+
+    def __init__(self, spec: ModelSpec, capacity: int, token: str | None) -> None:
+        self.spec = spec
+        self.token = token
+        self.queue: queue.Queue[Ticket] = queue.Queue(maxsize=capacity)
+        self.ready = threading.Event()
+        self.draining = threading.Event()
+        self.failed: str | None = None  # the job's fatal error, once it has one
+        self._lock = threading.Lock()
+        # Triton-style statistics (perf_analyzer reads them when /v2 lists "statistics")
+        self.stats = {k: [0, 0] for k in ("success", "fail", "queue", "compute_input", "compute_infer",
+                                          "compute_output", "cache_hit", "cache_miss")}
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self.inflight_rows = 0
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_requests = Counter("hpcsplit_requests", "Infer requests answered, by protocol and outcome",
+                                  ["protocol", "outcome"], registry=r)
+        self.m_latency = Histogram("hpcsplit_request_latency_seconds", "Infer request latency (arrival to answer)",
+                                   ["protocol"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.m_batch = Histogram("hpcsplit_request_batch_size", "Samples per infer request",
+                                 buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.m_compute = Histogram("hpcsplit_request_compute_seconds",
+                                   "Compute on a request's critical path (the components' batches it rode in)",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.m_queue_wait = Histogram("hpcsplit_request_queue_seconds", "Arrival to admission into the pipeline",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        g = Gauge("hpcsplit_queue_depth", "Requests waiting at the frontend", registry=r)
+        g.set_function(lambda: self.queue.qsize())
+        g2 = Gauge("hpcsplit_inflight_samples", "Samples inside the pipeline", registry=r)
+        g2.set_function(lambda: self.inflight_rows)
+        g3 = Gauge("hpcsplit_ready", "1 while the server admits requests", registry=r)
+        g3.set_function(lambda: float(self.is_ready()))
+        self.m_component_batches = Counter("hpcsplit_component_batches",
+                                           "Component batches that carried served samples (seen at the frontend)",
+                                           ["component"], registry=r)
+        self._wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake_sock.setblocking(False)
+
+    # ------------------------------------------------------------------ state
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and not self.draining.is_set() and self.failed is None
+
+    def check_token(self, given: str | None) -> bool:
+        if self.token is None:
+            return True
+        return given is not None and hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+
+    # ------------------------------------------------------------------ server side
+    def submit(self, req: InferRequest, protocol: str) -> Ticket:
+        """Queue a checked request (from the asyncio thread); raises RequestRejected when not admitting."""
+        if self.failed is not None:
+            raise RequestRejected(f"the server failed: {self.failed}", 503, "UNAVAILABLE")
+        if not self.is_ready():
+            raise RequestRejected("the server is not ready (starting or draining after a stop signal)", 503,
+                                  "UNAVAILABLE")
+        loop = asyncio.get_running_loop()
+        t = Ticket(req, protocol, loop, loop.create_future())
+        try:
+            self.queue.put_nowait(t)
+        except queue.Full:
+            self.count(t, "busy")
+            err = RequestRejected(f"the server's queue is full ({self.queue.maxsize} requests wait: "
+                                  "runtime.server_queue); retry later", 503, "UNAVAILABLE")
+            err.counted = True
+            raise err from None
+        self._wake()
+        return t
+
+    def _wake(self) -> None:
+        db = mb._DOORBELL  # the frontend rank's doorbell, if the runtime installed one
+        if db is None:
+            return
+        try:
+            self._wake_sock.sendto(b"\x01", db._prefix + str(db.rank))
+        except OSError:  # its buffer is full: it is being woken anyway
+            pass
+
+    def count(self, t: Ticket | None, outcome: str, protocol: str | None = None) -> None:
+        """One answered request (``ok``, ``error``, ``busy``, ``timeout``, ``rejected``) into the metrics."""
+        proto = t.protocol if t is not None else (protocol or "")
+        self.m_requests.labels(proto, outcome).inc()
+        if t is not None and outcome != "busy":
+            self.m_latency.labels(proto).observe(time.perf_counter() - t.t_arrival)
+
+    # ------------------------------------------------------------------ frontend side
+    def take(self, limit: int) -> list[Ticket]:
+        out: list[Ticket] = []
+        while len(out) < limit:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def finish(self, t: Ticket, outputs: list[np.ndarray]) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            n = t.req.batch
+            self.inference_count += n
+            self.execution_count += 1
+            self.last_inference_ms = int(time.time() * 1e3)
+            self._add("success", now - t.t_arrival)
+            self._add("queue", t.t_admit - t.t_arrival)
+            self._add("compute_input", 0.0)  # perf_analyzer wants the three compute counts equal
+            self._add("compute_infer", now - t.t_admit)
+            self._add("compute_output", 0.0)
+        self.m_batch.observe(t.req.batch)
+        self.m_compute.observe(t.compute_us / 1e6)
+        self.m_queue_wait.observe(t.t_admit - t.t_arrival)
+        self.count(t, "ok")
+        t.resolve(outputs)
+
+    def fail(self, t: Ticket, err: RequestRejected, outcome: str = "error") -> None:
+        with self._lock:
+            self._add("fail", time.perf_counter() - t.t_arrival)
+        self.count(t, outcome)
+        err.counted = True
+        t.resolve(err)
+
+    def _add(self, key: str, seconds: float) -> None:
+        s = self.stats[key]
+        s[0] += 1
+        s[1] += int(max(seconds, 0.0) * 1e9)
+
+    def statistics(self) -> dict[str, Any]:
+        """``/v2/models/<m>/stats`` (Triton's shape)."""
+        with self._lock:
+            st = {k: {"count": c, "ns": ns} for k, (c, ns) in self.stats.items()}
+            return {"model_stats": [{"name": self.spec.name, "version": self.spec.version,
+                                     "last_inference": self.last_inference_ms,
+                                     "inference_count": self.inference_count,
+                                     "execution_count": self.execution_count,
+                                     "inference_stats": st, "batch_stats": []}]}
+
+    def close(self) -> None:
+        self._wake_sock.close()

@@ -1,0 +1,77 @@
+"""Server mode's request checks and tensor coding (hpcsplit.runtime.server.protocol), without ranks: every
+malformed body is refused with a message naming what was wrong, and well-formed ones decode exactly."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace as T
+
+import numpy as np
+import pytest
+
+from hpcsplit.runtime.server.protocol import ModelSpec, RequestRejected, decode_http, encode_http
+
+SPEC = ModelSpec.from_layout(
+    "m", [T(name="x", dtype="float32", shape=("batch", 3)), T(name="ids", dtype="int64", shape=("batch", 2))],
+    [T(name="y", dtype="float32", shape=("batch", "batch"))], max_batch_size=4)
+
+
+def _req(inputs: list[dict], **extra: object) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+def _x(**kw: object) -> dict:
+    return {"name": "x", "datatype": "FP32", "shape": [2, 3], "data": list(range(6)), **kw}
+
+
+def _ids(**kw: object) -> dict:
+    return {"name": "ids", "datatype": "INT64", "shape": [2, 2], "data": [1, 2, 3, 4], **kw}
+
+
+def test_json_and_binary_decode() -> None:
+    r = decode_http(SPEC, _req([_ids(), _x()]), None)  # any input order
+    assert r.batch == 2 and r.arrays[0].dtype == np.float32 and r.arrays[1].tolist() == [[1, 2], [3, 4]]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    head = _req([_x(data=None, parameters={"binary_data_size": 24}), _ids()]).replace(b', "data": null', b"")
+    r = decode_http(SPEC, head + x.tobytes(), len(head))
+    np.testing.assert_array_equal(r.arrays[0], x)
+
+
+@pytest.mark.parametrize(("body", "header_len", "says"), [
+    (b"[1, 2]", None, "JSON object"),
+    (b"{oops", None, "not valid JSON"),
+    (_req([_x()]), None, "input 'ids' is missing"),
+    (_req([_x(), _ids(), {"name": "z", "datatype": "FP32", "shape": [1]}]), None, "unknown input 'z'"),
+    (_req([_x(datatype="FP64"), _ids()]), None, "expected datatype FP32, got 'FP64'"),
+    (_req([_x(shape=[2, 4]), _ids()]), None, "expected shape [-1, 3]"),
+    (_req([_x(shape=[5, 3], data=[0] * 15), _ids()]), None, "batch 1..4"),
+    (_req([_x(data=[1, 2]), _ids()]), None, "expected 6 values"),
+    (_req([_x(), _ids(data=[0.5, 1, 2, 3])]), None, "INT64"),
+    (_req([_x(), _ids(shape=[1, 2], data=[1, 2])]), None, "differs from the other inputs"),
+    (_req([_x(), _ids()]), 10_000, "outside the body"),
+    (_req([_x(), _ids()], outputs=[{"name": "nope"}]), None, "unknown output 'nope'"),
+])
+def test_malformed_is_refused(body: bytes, header_len: int | None, says: str) -> None:
+    with pytest.raises(RequestRejected) as e:
+        decode_http(SPEC, body, header_len)
+    assert says in str(e.value) and e.value.http_status == 400
+
+
+def test_binary_sizes_are_checked() -> None:
+    head = _req([_x(data=None, parameters={"binary_data_size": 20}), _ids()]).replace(b', "data": null', b"")
+    with pytest.raises(RequestRejected, match="expected 24 bytes"):
+        decode_http(SPEC, head + bytes(20), len(head))
+    with pytest.raises(RequestRejected, match="not claimed"):
+        decode_http(SPEC, head + bytes(24), len(head))
+
+
+def test_encode_binary_and_json() -> None:
+    r = decode_http(SPEC, _req([_x(), _ids()], parameters={"binary_data_output": True}), None)
+    y = np.ones((2, 1), np.float32)
+    body, n = encode_http(SPEC, r, [y])
+    assert n is not None and body[n:] == y.tobytes()
+    head = json.loads(body[:n])
+    assert head["outputs"][0]["shape"] == [2, 1] and head["outputs"][0]["parameters"]["binary_data_size"] == 8
+    r = decode_http(SPEC, _req([_x(), _ids()]), None)
+    body, n = encode_http(SPEC, r, [y])
+    assert n is None and json.loads(body)["outputs"][0]["data"] == [1.0, 1.0]

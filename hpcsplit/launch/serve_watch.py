@@ -110,7 +110,15 @@ class ServeWatch:
             ep = json.loads(Path(p).read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(ep, dict) or float(ep.get("started", 0)) < self._t_start - 5:
+        # written by the job, read here as any file: values checked before they reach a URL or a print
+        if not isinstance(ep, dict):
+            return None
+        started, host, model = ep.get("started", 0), ep.get("host"), ep.get("model")
+        ports = [ep.get("http_port"), ep.get("grpc_port")]
+        if (not isinstance(started, int | float) or started < self._t_start - 5
+                or not isinstance(host, str) or not 0 < len(host) <= 255 or any(c in host for c in "/@?# ")
+                or not isinstance(model, str)
+                or not all(isinstance(q, int) and not isinstance(q, bool) and 0 < q < 65536 for q in ports)):
             return None
         return ep
 
@@ -132,9 +140,9 @@ class ServeWatch:
         for line in connection_lines(self.endpoint):
             self.echo(line)
         tok = None
-        if self.endpoint.get("token_file"):
+        if self.endpoint.get("token_file"):  # this run folder's own token file, not a path the JSON names
             try:
-                tok = Path(self.endpoint["token_file"]).read_text().strip()
+                tok = Path(self.paths.server_token).read_text().strip()
             except OSError:
                 tok = None
         url = f"http://{self.endpoint['host']}:{self.endpoint['http_port']}/metrics"

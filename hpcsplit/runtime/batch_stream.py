@@ -207,6 +207,11 @@ def _shard_files(path: Path) -> list[Path]:
             raise _bad(path, f"give a file ending in {', '.join(SHARD_SUFFIXES)} (or a directory of them)")
         return [path]
     files = sorted(p for p in path.iterdir() if p.suffix in SHARD_SUFFIXES and p.is_file())
+    root = path.resolve()
+    for p in files:  # a directory's shards are the directory's: a link out of it is not read
+        if p.is_symlink() and root not in p.resolve().parents:
+            raise _bad(p, f"is a symbolic link to {p.resolve()}, outside {path}; copy the shard into the "
+                          "directory (or give that file as runtime.input_path)")
     if not files:
         raise _bad(path, f"the directory holds no shards ({', '.join('*' + s for s in SHARD_SUFFIXES)})")
     if len({p.suffix in (".h5", ".hdf5") for p in files}) > 1 or len({p.suffix for p in files} - {".h5", ".hdf5"}) > 1:

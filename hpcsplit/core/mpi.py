@@ -7,19 +7,98 @@ The profiler, the probe and the runtime share it.  MPI functions elsewhere take
 from __future__ import annotations
 
 import os
+import select
+import signal
+import socket
 import sys
 import time
 from typing import Any
 
+from hpcsplit.core.paths import MPI_INIT_DIR_VAR
 from hpcsplit.errors import WorldSizeError
 
-__all__ = ["MPI", "abort", "check_world_size", "get_comm", "mpi_library_version"]
+__all__ = [
+    "INIT_TIMEOUT_VAR", "MPI", "abort", "check_world_size", "get_comm", "init_with_deadline", "mpi_library_version",
+]
 
 # Initialise threads only as needed; the runtime polls from one thread.
 import mpi4py
 
 mpi4py.rc.thread_level = "serialized"
+if "mpi4py.MPI" not in sys.modules:  # MPI_Init below, under a deadline (see init_with_deadline)
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = True
 from mpi4py import MPI
+
+INIT_TIMEOUT_VAR = "HPCSPLIT_MPI_INIT_TIMEOUT_S"  # seconds MPI_Init may take (default below)
+INIT_TIMEOUT_S = 180.0
+
+
+def _task_id() -> str:
+    for var in ("SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return os.environ[var]
+    return str(os.getpid())
+
+
+def _record(state: str) -> None:
+    """``$HPCSPLIT_MPI_INIT_DIR/rank-<task>.txt``: ``started`` before MPI_Init, ``ready`` after it."""
+    folder = os.environ.get(MPI_INIT_DIR_VAR)
+    if not folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank-{_task_id()}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"{state} {socket.gethostname()} {time.time():.3f}\n")
+    except OSError:  # a record for the launcher's retry, never a reason to fail
+        pass
+
+
+def init_with_deadline(timeout_s: float | None = None) -> None:
+    """``MPI_Init_thread`` with a deadline: a rank whose MPI_Init does not return names itself and exits.
+
+    MPI_Init waits on the process manager's PMI exchange with every other rank; when a message of it
+    is lost (Slurm 22.05's pmi2 server misreading a long value: "value not properly terminated") it
+    waits for ever.  After ``HPCSPLIT_MPI_INIT_TIMEOUT_S`` (default 180 s) this rank prints what
+    happened is killed (SIGKILL; no work has started), so the launcher may start
+    the ranks again (``launcher=slurm`` does, once; see :func:`hpcsplit.launch.slurm.startup_failed`).
+    """
+    if MPI.Is_initialized():
+        return
+    if timeout_s is None:
+        try:
+            timeout_s = float(os.environ.get(INIT_TIMEOUT_VAR, INIT_TIMEOUT_S))
+        except ValueError:
+            timeout_s = INIT_TIMEOUT_S
+    msg = (f"[rank {_task_id()}] MPI_Init did not finish within {timeout_s:g} s on {socket.gethostname()}: the "
+           "ranks' startup exchange with the process manager (srun's PMI, mpiexec) is stuck, or another rank never "
+           f"started; this rank stops (nothing ran yet: starting the job again may work; {INIT_TIMEOUT_VAR} sets "
+           "the limit)\n").encode()
+    _record("started")
+    # MPI_Init holds the GIL while it waits, so no Python thread or signal handler can run: the watcher
+    # is a forked child, which ends when the pipe closes (MPI_Init returned, or this rank died)
+    r, w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child; only os calls, then _exit
+        try:
+            os.close(w)
+            if not select.select([r], [], [], timeout_s)[0]:
+                _record("timeout")
+                os.write(2, msg)
+                os.kill(parent, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        MPI.Init_thread(MPI.THREAD_SERIALIZED)
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+    _record("ready")
+
+
+init_with_deadline()
 
 
 def get_comm(comm: Any | None = None) -> Any:

@@ -19,7 +19,12 @@ from typing import Any, ClassVar
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
 
-__all__ = ["RunPaths", "result_name"]
+__all__ = ["MPI_INIT_DIR_VAR", "RunPaths", "result_name"]
+
+# Where each rank records that it started and finished MPI_Init (hpcsplit.core.mpi.init_with_deadline);
+# launcher=slurm sets it to <slurm folder>/init.<job id> and reads it when a job fails
+# (hpcsplit.launch.slurm.startup_failed).
+MPI_INIT_DIR_VAR = "HPCSPLIT_MPI_INIT_DIR"
 
 _FIELDS = ("run_dir", "switchboard_dirname", "profile_filename", "plan_filename")
 

@@ -134,8 +134,19 @@ def sbatch_script(
     lines += [
         "",
         "# --kill-on-bad-exit=1: a rank that dies ends the step instead of leaving the others blocked.",
-        " ".join(srun) + " \\",
-        f'    "$PYTHON" -m mpi4py -m hpcsplit.launch.rank {entry} "$CFG" "$RUN_DIR"',
+        "# MPI_Init can hang or fail in the PMI exchange with srun before anything runs (each rank records its",
+        "# start in $HPCSPLIT_MPI_INIT_DIR, and stops after HPCSPLIT_MPI_INIT_TIMEOUT_S): then start them once more.",
+        "for attempt in 1 2; do",
+        "    export HPCSPLIT_MPI_INIT_DIR=$RUN_DIR/mpi-init/${SLURM_JOB_ID:-0}.$attempt",
+        "    rc=0",
+        "    " + " ".join(srun) + " \\",
+        f'        "$PYTHON" -m mpi4py -m hpcsplit.launch.rank {entry} "$CFG" "$RUN_DIR" || rc=$?',
+        "    [[ $rc -ne 0 && $attempt -eq 1 ]] && grep -qs -e '^started' -e '^timeout' "
+        '"$HPCSPLIT_MPI_INIT_DIR"/rank-*.txt || break',
+        f'    echo "hpcsplit {stage}: the ranks never formed an MPI world (MPI_Init failed or hung): starting them '
+        'once more" >&2',
+        "done",
+        '[[ $rc -eq 0 ]] || { echo "hpcsplit ' + stage + ': FAILED: the ranks exited with code $rc" >&2; exit "$rc"; }',
         f'echo "hpcsplit {stage}: done; rank 0 summary in $RUN_DIR/{result_name(entry)}"',
         "",
     ]

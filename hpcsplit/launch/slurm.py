@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcsplit.core.cluster import ClusterSpec, SlurmSpec
-from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.paths import MPI_INIT_DIR_VAR, RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.errors import ConfigError, LaunchError
 from hpcsplit.launch.stages import STAGES, SlurmLauncherSettings, cluster_spec, launcher_settings, resolve
@@ -75,6 +75,7 @@ __all__ = [
     "job_status",
     "run_mpi_slurm",
     "sbatch_text",
+    "startup_failed",
     "submit",
     "wait_for_job",
 ]
@@ -366,7 +367,7 @@ def failure_report(job_id: str, folder: Path, status: JobStatus, stage: str, cou
     bad_nodes = node_report(job_id, counts)
     if bad_nodes:
         parts += ["Nodes:", *(f"  {x}" for x in bad_nodes)]
-    if not rank_lines and not srun_lines:
+    if not rank_lines:  # rank 0 died before it printed (MPI_Init, an import): its own last lines say why
         parts += [f"Tail of {err0}:", *(f"  {x}" for x in _tail(err0))]
     parts.append(f"Logs: {folder}/{job_id}_<task>_log.{{out,err}}")
     if status.state in ("TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"):
@@ -426,6 +427,7 @@ def submit(
         )
     folder = paths.slurm_dir
     params = executor_parameters(cluster, stage, ranks, shape, counts, str(folder / "hostfile.$SLURM_JOB_ID"))
+    params["setup"].append(f"export {MPI_INIT_DIR_VAR}={shlex.quote(str(folder))}/init.$SLURM_JOB_ID")
     folder.mkdir(parents=True, exist_ok=True)
     paths.stage_config(stage).write_text(json.dumps(cfg, indent=2, default=str))
     result = paths.rank_result(entry)
@@ -578,19 +580,56 @@ def run_mpi_slurm(
         raise ConfigError(f"run_mpi_slurm needs launcher=slurm, found launcher={launcher.name}")
     paths = RunPaths.from_config(cfg, run_dir)
     counts = _plan_counts(paths, shape, ranks)
-    job = submit(entry, cfg, paths, stage, cluster_spec(cfg), launcher, ranks, shape, counts)
-    echo(
-        f"[hpcsplit] submitted {stage} as SLURM job {job.job_id} ({job.ntasks} task(s)); "
-        f"logs: {job.folder}/{job.job_id}_<task>_log.{{out,err}}"
-    )
-    return wait_for_job(
-        job,
-        timeout_s=None if launcher.timeout_min is None else launcher.timeout_min * 60,
-        poll_s=launcher.poll_s,
-        poll_max_s=launcher.poll_max_s,
-        progress_s=launcher.progress_s,
-        echo=echo,
-    )
+    for attempt in range(1 + STARTUP_RETRIES):
+        job = submit(entry, cfg, paths, stage, cluster_spec(cfg), launcher, ranks, shape, counts)
+        echo(
+            f"[hpcsplit] submitted {stage} as SLURM job {job.job_id} ({job.ntasks} task(s)); "
+            f"logs: {job.folder}/{job.job_id}_<task>_log.{{out,err}}"
+        )
+        try:
+            return wait_for_job(
+                job,
+                timeout_s=None if launcher.timeout_min is None else launcher.timeout_min * 60,
+                poll_s=launcher.poll_s,
+                poll_max_s=launcher.poll_max_s,
+                progress_s=launcher.progress_s,
+                echo=echo,
+            )
+        except LaunchError:
+            stuck = startup_failed(job)
+            if not stuck or attempt == STARTUP_RETRIES:
+                raise
+            echo(f"[hpcsplit] job {job.job_id}: the ranks never formed an MPI world ({stuck}); nothing ran, "
+                 "submitting the job once more")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+STARTUP_RETRIES = 1  # a job whose MPI_Init failed or hung (nothing ran) is submitted again this often
+
+
+def startup_failed(job: SubmittedJob) -> str:
+    """What went wrong when ``job``'s ranks did not all get through MPI_Init ("" when they did).
+
+    Each rank records ``started`` / ``ready`` / ``timeout`` (:func:`hpcsplit.core.mpi.init_with_deadline`)
+    in ``<slurm folder>/init.<job id>/``: a rank that started MPI_Init and never finished it means the
+    job died in its startup (an MPI_Init that hung past its deadline, or aborted), before any work.
+    """
+    folder = job.folder / f"init.{job.job_id}"
+    stuck: list[str] = []
+    try:
+        files = sorted(folder.glob("rank-*.txt"))
+    except OSError:
+        return ""
+    for f in files:
+        try:
+            words = f.read_text(errors="replace").split()
+        except OSError:
+            continue
+        if words and words[0] in ("started", "timeout"):
+            host = words[1] if len(words) > 1 else "?"
+            stuck.append(f"task {f.stem.removeprefix('rank-')} on {host}: MPI_Init "
+                         + ("hung past its deadline" if words[0] == "timeout" else "did not finish"))
+    return "; ".join(stuck[:4]) + (f"; {len(stuck) - 4} more" if len(stuck) > 4 else "")
 
 
 def _plan_counts(paths: RunPaths, shape: tuple[int, int] | None, ranks: int | None) -> list[int] | None:

@@ -69,6 +69,7 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
             assert _job_state(int(job)) not in FINISHED, log.read_text() if log.exists() else "no log"
             time.sleep(0.5)
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # as --signal=USR2@60 would
+        deadline = time.monotonic() + 300  # the requeue, SLURM's hold, and the second run
         released = False
         while time.monotonic() < deadline:
             state = _job_state(int(job))
@@ -84,6 +85,9 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
         if _job_state(int(job)) not in FINISHED:
             subprocess.run(["scancel", job], check=False)
     text = log.read_text()
+    state = _job_state(int(job))
+    text += f"\n[test] job state at the end: {state}\n" + subprocess.run(
+        ["scontrol", "show", "job", job], check=False, capture_output=True, text=True).stdout
     assert "SIGUSR2 received" in text and "requeueing job" in text, text[-3000:]
     assert "restart 1" in text and "[infer.sbatch] every row done" in text, text[-3000:]
     s = json.loads((run / "runtime.mpi_main.result.json").read_text())["variants"]["split"]

@@ -7,8 +7,6 @@ The profiler, the probe and the runtime share it.  MPI functions elsewhere take
 from __future__ import annotations
 
 import os
-import select
-import signal
 import socket
 import sys
 import time
@@ -54,6 +52,22 @@ def _record(state: str) -> None:
         pass
 
 
+# the watcher process of init_with_deadline: argv = fd, timeout, rank pid, marker file, host, message
+_WATCHER = """
+import os, select, sys, time
+fd, limit, rank, marker, host, msg = sys.argv[1:7]
+if not select.select([int(fd)], [], [], float(limit))[0]:
+    if marker:
+        try:
+            with open(marker, "w") as f:
+                f.write("timeout %s %.3f\\n" % (host, time.time()))
+        except OSError:
+            pass
+    os.write(2, msg.encode())
+    os.kill(int(rank), 9)
+"""
+
+
 def init_with_deadline(timeout_s: float | None = None) -> None:
     """``MPI_Init_thread`` with a deadline: a rank whose MPI_Init does not return names itself and exits.
 
@@ -70,23 +84,33 @@ def init_with_deadline(timeout_s: float | None = None) -> None:
             timeout_s = float(os.environ.get(INIT_TIMEOUT_VAR, INIT_TIMEOUT_S))
         except ValueError:
             timeout_s = INIT_TIMEOUT_S
+    if timeout_s <= 0:  # no deadline
+        _record("started")
+        MPI.Init_thread(MPI.THREAD_SERIALIZED)
+        _record("ready")
+        return
     msg = (f"[rank {_task_id()}] MPI_Init did not finish within {timeout_s:g} s on {socket.gethostname()}: the "
            "ranks' startup exchange with the process manager (srun's PMI, mpiexec) is stuck, or another rank never "
            f"started; this rank stops (nothing ran yet: starting the job again may work; {INIT_TIMEOUT_VAR} sets "
            "the limit)\n").encode()
     _record("started")
     # MPI_Init holds the GIL while it waits, so no Python thread or signal handler can run: the watcher
-    # is a forked child, which ends when the pipe closes (MPI_Init returned, or this rank died)
+    # is a separate small process (forked, then exec'd: it must not look like a rank to anyone who
+    # lists the job's processes), which ends when the pipe closes (MPI_Init returned, or this rank died)
     r, w = os.pipe()
-    parent = os.getpid()
+    folder = os.environ.get(MPI_INIT_DIR_VAR) or ""
+    marker = os.path.join(folder, f"rank-{_task_id()}.txt") if folder else ""
+    argv = [sys.executable, "-I", "-S", "-c", _WATCHER, str(r), repr(float(timeout_s)), str(os.getpid()), marker,
+            socket.gethostname(), msg.decode()]
     pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child; only os calls, then _exit
+    if pid == 0:  # pragma: no cover - the child: exec the watcher, or give up watching
         try:
-            os.close(w)
-            if not select.select([r], [], [], timeout_s)[0]:
-                _record("timeout")
-                os.write(2, msg)
-                os.kill(parent, signal.SIGKILL)
+            # nothing of the rank's but the pipe and stderr: above all not the PMI socket (PMI_FD), which
+            # a second holder broke (MPI_Init's exchange with slurmstepd aborted in a two-node profile job)
+            os.closerange(3, r)
+            os.closerange(r + 1, 1 << 16)
+            os.set_inheritable(r, True)
+            os.execve(sys.executable, argv, {})
         finally:
             os._exit(0)
     os.close(r)

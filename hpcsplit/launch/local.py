@@ -215,6 +215,14 @@ def _restore_handlers(old: dict[int, Any] | None) -> None:
             pass
 
 
+def _stopped_cleanly(cfg: Mapping[str, Any], proc: subprocess.Popen[str], result: Path) -> bool:
+    """A server job (``runtime.mode=server``) that a stop signal drained: mpiexec exited 0 and rank 0 wrote its
+    result.  Stopping is how a server ends, so that is no failure (a batch or bench job stopped early is)."""
+    runtime = cfg.get("runtime")
+    return (isinstance(runtime, Mapping) and runtime.get("mode") == "server" and proc.returncode == 0
+            and result.is_file())
+
+
 def _stop(proc: subprocess.Popen[str], tree: JobTree, grace_s: float, echo: Echo | None = None) -> None:
     """SIGTERM to the job (mpiexec forwards it to every rank), ``grace_s`` for it to finish, then SIGKILL
     to every process of the tree (``[Note: job process tree]``).  A second signal skips the grace."""
@@ -411,6 +419,11 @@ def run_mpi_local(
                 echo(f"[hpcsplit] {name} received: stopping the {stage} job")
                 _stop(proc, tree, launcher.grace_s, echo)
                 _join(threads[:2])
+                if _stopped_cleanly(cfg, proc, result):
+                    # a server's normal end: it drained what was in flight and every rank exited 0
+                    echo(f"[hpcsplit] {name}: the server drained and stopped cleanly after "
+                         f"{time.monotonic() - t0:.1f} s; log: {log_path}")
+                    return json.loads(result.read_text())
                 raise LaunchError(
                     f"{stage}: stopped by {name} after {time.monotonic() - t0:.1f} s: the job got SIGTERM and "
                     f"{launcher.grace_s:g} s (launcher.grace_s) to save what it had, then every process left was "

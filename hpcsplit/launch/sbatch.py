@@ -141,10 +141,10 @@ def sbatch_script(
         "    rc=0",
         "    " + " ".join(srun) + " \\",
         f'        "$PYTHON" -m mpi4py -m hpcsplit.launch.rank {entry} "$CFG" "$RUN_DIR" || rc=$?',
-        "    [[ $rc -ne 0 && $attempt -eq 1 ]] && grep -qs -e '^started' -e '^timeout' "
-        '"$HPCSPLIT_MPI_INIT_DIR"/rank-*.txt || break',
-        f'    echo "hpcsplit {stage}: the ranks never formed an MPI world (MPI_Init failed or hung): starting them '
-        'once more" >&2',
+        ("    [[ $rc -ne 0 && $attempt -eq 1 ]] && grep -qs -e '^started' -e '^timeout' "
+        '"$HPCSPLIT_MPI_INIT_DIR"/rank-*.txt || break'),
+        (f'    echo "hpcsplit {stage}: the ranks never formed an MPI world (MPI_Init failed or hung): starting them '
+        'once more" >&2'),
         "done",
         '[[ $rc -eq 0 ]] || { echo "hpcsplit ' + stage + ': FAILED: the ranks exited with code $rc" >&2; exit "$rc"; }',
         f'echo "hpcsplit {stage}: done; rank 0 summary in $RUN_DIR/{result_name(entry)}"',

@@ -41,6 +41,9 @@ A ``requeueable`` stage of the stage table (profile) is submitted as ``launch.sl
 part file, rank 0 merges, and submitit (task 0) requeues the same call; the requeued job resumes
 the profile and measures only the missing cells.  While a job is ``REQUEUED`` / ``PENDING`` again
 the login side keeps waiting; it reads rank 0's result only once the job has ``COMPLETED``.
+``stage=serve runtime.mode=batch`` is requeueable the same way (:func:`requeueable`): on USR2 rank 0
+stops admitting rows, flushes the outputs file and calls submitit's handler, and the requeued job
+serves only the rows not done (``docs/batch-inference.md``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ __all__ = [
     "hostfile_setup",
     "job_main",
     "job_status",
+    "requeueable",
     "run_mpi_slurm",
     "sbatch_text",
     "startup_failed",
@@ -199,11 +203,13 @@ def executor_parameters(
     shape: tuple[int, int] | None = None,
     counts: list[int] | None = None,
     hostfile: str = "hostfile.$SLURM_JOB_ID",
+    requeue: bool | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``submitit.SlurmExecutor.update_parameters`` for one stage's job.
 
     ``shape`` is a plan's ``(nodes, most ranks on one node)``, see :func:`geometry`; ``counts`` its ranks
     per node: when they differ, the job places its ranks with ``hostfile`` (see ``[Note: SLURM job shape]``).
+    ``requeue``: whether SLURM may requeue the job (None: the stage table's ``requeueable``).
     """
     slurm = _slurm_of(cluster)
     geo = geometry(cluster, ranks, *(shape or (None, None)))
@@ -241,7 +247,7 @@ def executor_parameters(
     if not geo.even and not uneven:
         extra["ntasks"] = geo.ntasks
     row = STAGES.get(stage)
-    if row is None or not row.requeueable:
+    if not (requeue if requeue is not None else row is not None and row.requeueable):
         extra.setdefault("no_requeue", True)  # a NODE_FAIL ends the job (it would wait for the lost node)
     if extra:
         params["additional_parameters"] = extra
@@ -388,14 +394,23 @@ class SubmittedJob:
     counts: tuple[int, ...] = ()  # ranks per node of the allocation, in order (naming a failed node's ranks)
 
 
-def _job_function(stage: str, launcher: SlurmLauncherSettings) -> tuple[Callable[..., Any], int]:
-    """The submitted function and how often a timed-out job may requeue itself.
-
-    See ``[Note: preemption]``: a ``requeueable`` stage is checkpointable (``launch.slurm.ProfileJob``);
-    other stages run :func:`job_main` and are not requeued on time-out.
-    """
+def requeueable(stage: str, cfg: dict[str, Any]) -> bool:
+    """A stage whose job may be requeued and resume: the profile, and batch inference (``runtime.mode=batch``
+    of ``stage=serve``, whose outputs file records the rows done)."""
     row = STAGES.get(stage)
     if row is not None and row.requeueable:
+        return True
+    rt = cfg.get("runtime") if isinstance(cfg, dict) else None
+    return stage == "serve" and isinstance(rt, dict) and rt.get("mode") in ("batch", None)
+
+
+def _job_function(stage: str, cfg: dict[str, Any], launcher: SlurmLauncherSettings) -> tuple[Callable[..., Any], int]:
+    """The submitted function and how often a timed-out job may requeue itself.
+
+    See ``[Note: preemption]``: a :func:`requeueable` stage is checkpointable (``launch.slurm.ProfileJob``);
+    other stages run :func:`job_main` and are not requeued on time-out.
+    """
+    if requeueable(stage, cfg):
         return ProfileJob(), launcher.max_requeue
     return job_main, 0
 
@@ -426,13 +441,14 @@ def submit(
             "launcher=local (or start a dev cluster with slurm/dev-cluster.sh up)."
         )
     folder = paths.slurm_dir
-    params = executor_parameters(cluster, stage, ranks, shape, counts, str(folder / "hostfile.$SLURM_JOB_ID"))
+    params = executor_parameters(cluster, stage, ranks, shape, counts, str(folder / "hostfile.$SLURM_JOB_ID"),
+                                 requeue=requeueable(stage, cfg))
     params["setup"].append(f"export {MPI_INIT_DIR_VAR}={shlex.quote(str(folder))}/init.$SLURM_JOB_ID")
     folder.mkdir(parents=True, exist_ok=True)
     paths.stage_config(stage).write_text(json.dumps(cfg, indent=2, default=str))
     result = paths.rank_result(entry)
     result.unlink(missing_ok=True)
-    fn, requeues = _job_function(stage, launcher)
+    fn, requeues = _job_function(stage, cfg, launcher)
     ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=requeues)
     try:
         ex.update_parameters(**params)

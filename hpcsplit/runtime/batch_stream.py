@@ -14,7 +14,8 @@ zip, HDF5 by slices) and reads the next chunk on a thread while the current one 
 The outputs go to one HDF5 file (:class:`StreamWriter`): per model output a chunked dataset
 preallocated to the sample count (space allocated when the dataset is made, so later writes change
 no HDF5 metadata), plus ``done`` (bool), ``done_count`` (how often each row was committed: 1 in a
-finished file), ``latency_ms`` (admission to output) and ``failed`` (0, or :data:`FAIL_TIMEOUT`).
+finished file), ``latency_ms`` (admission to output) and ``failed`` (0, :data:`FAIL_TIMEOUT` or
+:data:`FAIL_COMPONENT`).
 Finished rows are buffered and written in groups (at most ``chunk_rows`` rows or
 :data:`FLUSH_EVERY_S`): the group's data is written and flushed first, then its ``done`` flags, then
 flushed again, so a ``done`` row on disk is whole whenever the job dies (``kill -9`` loses only the
@@ -49,12 +50,14 @@ from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime.batch_files import MARKER, check_array_meta, write_outputs
 from hpcsplit.switchboard.layout import TensorSpec
 
-__all__ = ["FAIL_TIMEOUT", "FLUSH_EVERY_S", "ChunkFeed", "InputSource", "Progress", "StreamWriter",
+__all__ = ["FAIL_COMPONENT", "FAIL_REASONS", "FAIL_TIMEOUT", "FLUSH_EVERY_S", "ChunkFeed", "InputSource", "Progress", "StreamWriter",
            "chunk_rows_for", "memory_source", "open_inputs", "peak_rss_mb"]
 
 FLUSH_EVERY_S = 0.5
 FAIL_TIMEOUT = 1  # the ``failed`` dataset's reason codes
-FAIL_REASONS = {FAIL_TIMEOUT: "timeout (runtime.request_timeout_s, counted from admission)"}
+FAIL_COMPONENT = 2  # a component raised on the row alone ([Note: failed rows] in hpcsplit.runtime.component)
+FAIL_REASONS = {FAIL_TIMEOUT: "timeout (runtime.request_timeout_s, counted from admission)",
+                FAIL_COMPONENT: "component error (the component raised on this row alone)"}
 SHARD_SUFFIXES = (".h5", ".hdf5", ".npy", ".npz")
 CHUNK_BYTES = 32 << 20  # chunk_rows=null: about this many bytes of inputs per chunk
 FORMAT = 2  # the outputs file's layout version (attribute ``hpcsplit_stream``)

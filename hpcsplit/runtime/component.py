@@ -51,6 +51,10 @@ def with_fault(fn: Callable[..., Any], fault: FaultSettings | None, name: str) -
     seen = [0, 0]
 
     def faulty(*args: Any) -> Any:
+        if fault.kind == "nan":
+            if any(a.is_floating_point() and bool(torch.isnan(a).any()) for a in args if isinstance(a, torch.Tensor)):
+                raise ValueError("a NaN in the inputs (injected fault, runtime.fault kind=nan)")
+            return fn(*args)
         seen[0] += 1
         if seen[0] > fault.after_batches:
             if fault.kind == "sleep":
@@ -77,11 +81,22 @@ def serve_component(
     device: torch.device | None = None,
     abort_grace_s: float = 3.0,
     idle_sleep_s: float = 2e-3,
+    row_errors: bool = False,
+    stats_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Serve component ``name`` on this rank until the frontend sends STOP; return counters.
 
     Joins inputs per request, batches up to ``batch_size`` or ``max_wait_s``, runs ``fn`` and sends
     each output row to the rank its request's route names (``[Note: serve dataflow]``).
+
+    An exception in ``fn`` ends the job (the frontend is told, then this rank raises), unless
+    ``row_errors`` (batch mode): then the batch's requests run one by one, those that pass go on, and
+    those that fail alone are reported to the frontend (``KIND_ROW_ERROR``: it marks those rows failed,
+    with the message) while this rank keeps serving (``[Note: failed rows]``).
+
+    ``stats_every_s`` (server mode): this often, when they changed, the counters go to rank 0 as a
+    ``KIND_CONTROL`` message (``aux`` = the component's index; int64 batches, samples, compute us,
+    largest batch, failed rows), which the server shows at ``/metrics``.
     """
     rank = comm.Get_rank()
     flow = df.component(name)
@@ -95,7 +110,7 @@ def serve_component(
     outbox = mb.Outbox()
     backoff = mb.Backoff(deep_sleep_s=idle_sleep_s)
     stats: dict[str, Any] = {"rank": rank, "component": name, "batches": 0, "requests": 0, "compute_s": 0.0,
-                             "expired": 0, "max_batch": 0}
+                             "expired": 0, "max_batch": 0, "row_errors": 0}
     # (wall-clock end, ms) of every batch of one request: the bench compares a level's with the profile
     b1_at: list[float] = []
     b1_ms: list[float] = []
@@ -105,6 +120,7 @@ def serve_component(
     stops_needed = set(df.upstream_ranks(name))
     stopping = False
     next_expire = t_start + 1.0
+    next_stats, sent_batches = t_start + (stats_every_s or 0.0), -1
     # CUDA kernels run asynchronously: the compute span ends when the stream is done, not when the
     # launches return (the send would synchronise anyway, see transport._send_buffer)
     cuda_sync = torch.cuda.current_stream(device).synchronize if getattr(device, "type", "") == "cuda" else None
@@ -145,7 +161,10 @@ def serve_component(
                     msg = (f"rank {rank} component {name!r} failed on requests {ids[:16]}"
                            f"{'...' if len(ids) > 16 else ''}: {type(e).__name__}: {e}\n"
                            + traceback.format_exc(limit=6))
-                    _report_and_raise(comm, msg, abort_grace_s, e)
+                    if not row_errors:
+                        _report_and_raise(comm, msg, abort_grace_s, e)
+                    _rows_one_by_one(comm, outbox, groups, items, flow, fn, e, stats, tracer, rank, name)
+                    continue
                 tracer.span("compute", t0, t1, ids, batch=len(ids))
                 stats["batches"] += 1
                 stats["requests"] += len(ids)
@@ -162,6 +181,14 @@ def serve_component(
             if now > next_expire:
                 next_expire = now + 1.0
                 stats["expired"] += len(join.expire(now, request_timeout_s))
+            if stats_every_s is not None and now >= next_stats and not stopping:
+                next_stats = now + stats_every_s
+                if stats["batches"] != sent_batches:
+                    sent_batches = stats["batches"]
+                    live = torch.tensor([stats["batches"], stats["requests"], int(stats["compute_s"] * 1e6),
+                                         stats["max_batch"], stats["row_errors"]], dtype=torch.int64)
+                    outbox.add(tp.isend_message(comm, 0, tp.KIND_CONTROL, (), (), [(0, live)],
+                                                aux=comp_index[name]), 0)
             if stopping and not len(batcher) and not inbox.pending:
                 # every receiver keeps receiving until it has our STOP, so these complete
                 if not outbox.drain(timeout_s=120.0):
@@ -203,6 +230,46 @@ def _send_outputs(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: 
             outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
                                         [routes[k] for k in pos], sel, aux=path_us), dest)
     tracer.span("send", t0, time.perf_counter(), ids)
+
+
+# [Note: failed rows]
+# In batch mode a component's exception need not end the job: a bad sample (a NaN the model refuses, a
+# malformed row) fails only its own row.  The batch that raised is run again one request at a time
+# (batch 1, so a row that passes gets the same outputs it would have in any batch); the requests that
+# pass are sent on as usual, and the ids of those that fail alone go to the frontend in one
+# KIND_ROW_ERROR message with the first exception's text.  The frontend marks them failed (reason:
+# component error), retries them once at the end of the pass, lists them, and stops the job when
+# runtime.max_failures is exceeded; this rank keeps serving.  Downstream components never see a failed
+# request; their partial joins of it expire (request_timeout_s).  A crash (the rank dies) still ends the job.
+ROW_ERROR_LOGS = 5  # a component logs its first few failed batches, then every 100th
+
+
+def _rows_one_by_one(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: list[ReadyRequest],
+                     flow: Any, fn: Callable[..., Any], exc: BaseException, stats: dict[str, Any],
+                     tracer: Tracer, rank: int, name: str) -> None:
+    """[Note: failed rows]: run a failed batch's requests alone, send on those that pass, report the rest."""
+    bad: list[int] = []
+    first = f"{type(exc).__name__}: {exc}"
+    for it in items:
+        try:
+            outs = as_tuple(fn(*[stack_rows([it.rows[k]]) for k in range(len(flow.inputs))]))
+        except Exception as e:  # noqa: BLE001 - this row fails, the rank goes on
+            bad.append(it.request_id)
+            first = f"{type(e).__name__}: {e}"
+            continue
+        _send_outputs(comm, outbox, groups, [it], outs, flow.out_bdims, tracer, it.path_us)
+    stats["batches"] += 1
+    stats["requests"] += len(items) - len(bad)
+    if not bad:
+        return
+    n_before = stats["row_errors"]
+    stats["row_errors"] += len(bad)
+    text = f"rank {rank} component {name!r}: {first}"[:2000]
+    if n_before == 0 or stats["batches"] % 100 == 0 or n_before < ROW_ERROR_LOGS:
+        say(rank, f"{name}: {len(bad)} of {len(items)} request(s) failed alone ({first[:300]}); "
+                  f"reported to the frontend as failed rows, still serving ({stats['row_errors']} so far)")
+    payload = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    outbox.add(tp.isend_message(comm, 0, tp.KIND_ROW_ERROR, bad, (), [(0, payload)], aux=len(payload)), 0)
 
 
 def _report_and_raise(comm: MPI.Comm, msg: str, grace_s: float, exc: BaseException) -> None:
@@ -321,7 +388,8 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         fn = with_fault(fn, rt.fault, name)
         ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s)
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), rt.max_wait_ms / 1e3,
-                             rt.request_timeout_s, tracer, ctx.device, rt.abort_grace_s, rt.idle_sleep_ms / 1e3)
+                             rt.request_timeout_s, tracer, ctx.device, rt.abort_grace_s, rt.idle_sleep_ms / 1e3,
+                             row_errors=rt.mode == "batch", stats_every_s=1.0 if rt.mode == "server" else None)
         st["variant"] = vname
         if floor:
             st["floor_samples_ms"] = floor

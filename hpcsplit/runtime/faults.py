@@ -41,8 +41,8 @@ from hpcsplit.core.plan import Plan
 from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime import transport as tp
 
-__all__ = ["COMPONENT_SIGNAL_GRACE_S", "TAG_ARRIVE", "JobInterrupted", "RankSilentError", "describe_rank",
-           "install_stop_signals", "named_barrier", "stop_signal"]
+__all__ = ["COMPONENT_SIGNAL_GRACE_S", "TAG_ARRIVE", "JobInterrupted", "RankSilentError", "chain_requeue",
+           "describe_rank", "install_stop_signals", "named_barrier", "stop_signal"]
 
 TAG_ARRIVE = 7203  # a rank's arrival at a named barrier, to rank 0
 COMPONENT_SIGNAL_GRACE_S = 10.0  # a signalled component serves this long past abort_grace_s, then raises
@@ -63,10 +63,32 @@ def _on_signal(signum: int, _frame: Any) -> None:
         _SIGNALLED.append((signum, time.monotonic()))
 
 
+_PREVIOUS: dict[int, Any] = {}  # the handlers ours replaced (submitit's checkpoint-and-requeue on USR2)
+
+
 def install_stop_signals() -> None:
     """SIGTERM, SIGINT and SIGUSR2 set this rank's stop flag (:func:`stop_signal`) instead of killing it."""
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
-        signal.signal(s, _on_signal)
+        prev = signal.signal(s, _on_signal)
+        if prev is not _on_signal:
+            _PREVIOUS[s] = prev
+
+
+def chain_requeue(before: Callable[[], object] | None = None) -> bool:
+    """After a stop signal, once what was finished is saved: call the handler it would have reached without
+    ours when that is submitit's (SIGUSR2 under ``launcher=slurm``: it checkpoints, requeues the job and
+    exits), after ``before()``.  False when there is none (local runs; plain sbatch, where
+    ``slurm/infer.sbatch`` requeues the job itself)."""
+    if not _SIGNALLED:
+        return False
+    signum = _SIGNALLED[0][0]
+    prev = _PREVIOUS.get(signum)
+    if not callable(prev) or not str(getattr(prev, "__module__", "")).startswith("submitit"):
+        return False
+    if before is not None:
+        before()
+    prev(signum, None)
+    return True
 
 
 def stop_signal() -> tuple[str, float] | None:

@@ -29,12 +29,13 @@ from hpcsplit.runtime.faults import JobInterrupted, stop_signal
 from hpcsplit.runtime.routing import INPUT, Dataflow, Router
 from hpcsplit.runtime.trace import Tracer
 
-__all__ = ["STATUS_OK", "STATUS_PENDING", "STATUS_TIMEOUT", "Frontend", "RemoteRankError", "SessionResult",
+__all__ = ["STATUS_ERROR", "STATUS_OK", "STATUS_PENDING", "STATUS_TIMEOUT", "Frontend", "RemoteRankError", "SessionResult",
            "request_getter"]
 
 STATUS_PENDING = 0
 STATUS_OK = 1
 STATUS_TIMEOUT = 2
+STATUS_ERROR = 3  # a component reported the request failed (batch mode: [Note: failed rows])
 
 log = logging.getLogger("hpcsplit.runtime")
 
@@ -116,6 +117,7 @@ class Frontend:
                              for j, (src, name) in enumerate(dataflow.output_sources) if src == INPUT]
         self.n_outputs = len(dataflow.outputs)
         self.stalled = False  # the last session ended because nothing came back (see run's ``admission``)
+        self.row_errors: list[tuple[int, str]] = []  # (failed requests, message) of KIND_ROW_ERROR, first 20
 
     # ------------------------------------------------------------------ session
     def run(
@@ -204,6 +206,19 @@ class Frontend:
                 h = m.header
                 if h.kind == tp.KIND_ERROR:
                     raise RemoteRankError(_decode_error(m))
+                if h.kind == tp.KIND_ROW_ERROR:  # [Note: failed rows] in hpcsplit.runtime.component
+                    last_out = time.perf_counter() - t0
+                    failed = 0
+                    for rid in h.request_ids:
+                        rec = inflight.pop(rid - base, None)
+                        if rec is not None:
+                            self.router.release(rec[0], failed=True)
+                            status[rid - base] = STATUS_ERROR
+                            resolved += 1
+                            failed += 1
+                    if failed and len(self.row_errors) < 20:
+                        self.row_errors.append((failed, _decode_error(m)))
+                    continue
                 if h.kind != tp.KIND_DATA:
                     continue
                 t_now = time.perf_counter()

@@ -22,6 +22,7 @@ from hpcsplit.runtime import benchmark
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batch_files import check_output_path, host_row
 from hpcsplit.runtime.batch_stream import (
+    FAIL_COMPONENT,
     FAIL_REASONS,
     FAIL_TIMEOUT,
     ChunkFeed,
@@ -35,8 +36,8 @@ from hpcsplit.runtime.batch_stream import (
 )
 from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
-from hpcsplit.runtime.faults import JobInterrupted, RankSilentError
-from hpcsplit.runtime.frontend import STATUS_TIMEOUT, Frontend, SessionResult, request_getter
+from hpcsplit.runtime.faults import JobInterrupted, RankSilentError, chain_requeue
+from hpcsplit.runtime.frontend import STATUS_ERROR, STATUS_TIMEOUT, Frontend, SessionResult, request_getter
 from hpcsplit.runtime.routing import Dataflow
 from hpcsplit.runtime.server.serve import run_server
 
@@ -174,11 +175,15 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
         summary.update(benchmark.finish(ctx, bench_results, batch1, floor_now))
     failed = summary["variants"].get("split", {}).get("failed", 0)
     if rt.mode == "batch" and failed:
+        split = summary["variants"]["split"]
+        why = ", ".join(f"{n} {r}" for r, n in split.get("failed_reasons", {}).items())
+        hint = ("for timeouts raise runtime.request_timeout_s or find the slow component in the per-rank counters; "
+                f"component errors: {split['component_errors'][0]}" if split.get("component_errors") else
+                "raise runtime.request_timeout_s or find the slow component in the per-rank counters")
         raise RequestTimeoutError(
-            f"{failed} request(s) exceeded runtime.request_timeout_s={rt.request_timeout_s} s and were "
-            f"reported failed (ids {summary['variants']['split']['failed_ids'][:10]}); the outputs of the "
-            f"others are in {summary['variants']['split']['output_path']} (see its 'done' mask). Raise "
-            "runtime.request_timeout_s or find the slow component in the per-rank counters."
+            f"{failed} row(s) failed after their retry ({why or 'timeout'}; ids {split['failed_ids'][:10]}); the "
+            f"outputs of the others are in {split['output_path']} (see its 'done' mask and 'failed' reasons), "
+            f"and re-running the same command serves only the rows not done. {hint[0].upper()}{hint[1:]}."
         )
     return summary
 
@@ -222,29 +227,45 @@ LATENCY_SAMPLE = 4096  # latencies kept per session for the summary's percentile
 
 def _too_many(n: int, limit: int, writer: StreamWriter) -> TooManyFailures:
     return TooManyFailures(
-        f"{n} rows failed (timed out), more than runtime.max_failures={limit}: stopping. The rows done are "
-        f"kept in {writer.stream}; find the slow component in the log, then re-run the same command to continue")
+        f"{n} rows failed (timed out, or a component raised on them), more than runtime.max_failures={limit}: "
+        f"stopping. The rows done are kept in {writer.stream}; find the slow or failing component in the log "
+        "(its rank names it), then re-run the same command to continue")
+
+
+def _reasons(codes: np.ndarray) -> str:
+    """``3 timeout, 1 component error`` for the ``failed`` reason codes of some rows."""
+    return ", ".join(f"{int((codes == c).sum())} {FAIL_REASONS[c].split(' (')[0]}" for c in sorted(FAIL_REASONS)
+                     if (codes == c).any())
+
+
+def _mark_failed(writer: StreamWriter, rows: np.ndarray, codes: np.ndarray) -> None:
+    for c in FAIL_REASONS:
+        if (codes == c).any():
+            writer.fail(rows[codes == c], c)
 
 
 def _batch_pass(ctx: RankContext, fe: Frontend, src: InputSource, writer: StreamWriter, rows: np.ndarray,
-                chunk: int, prog: Progress, failed_before: int, lat: list[np.ndarray]) -> np.ndarray:
+                chunk: int, prog: Progress, failed_before: int,
+                lat: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Serve ``rows`` (sorted) of ``src`` into ``writer`` in sessions of :data:`SEGMENT_ROWS`, admission-timed
-    (``Frontend.run(admission=True)``); returns the rows that failed.  Latency samples go to ``lat``."""
+    (``Frontend.run(admission=True)``); returns the rows that failed and why (``FAIL_*`` codes).  Latency
+    samples go to ``lat``."""
     rt = ctx.runtime
     limit = rt.max_failures
     bdi, bdo = fe.df.input_bdims, fe.df.output_bdims
     feed = ChunkFeed(src, rows, chunk)
     failed: list[np.ndarray] = []
+    codes: list[np.ndarray] = []
     nfail = [failed_before, time.perf_counter()]
     lo = 0
 
     def failures() -> None:
         now = time.perf_counter()
         if now - nfail[1] > 0.5:
-            nfail[0] = failed_before + sum(map(len, failed)) + int((fe.partial.status == STATUS_TIMEOUT).sum())
+            nfail[0] = failed_before + sum(map(len, failed)) + int((fe.partial.status >= STATUS_TIMEOUT).sum())
             nfail[1] = now
             if limit is not None and nfail[0] > limit:
-                raise _too_many(nfail[0], limit, writer)
+                raise _too_many(int(nfail[0]), limit, writer)
 
     def get(idx: np.ndarray) -> list[torch.Tensor]:
         ts = [torch.from_numpy(a) for a in feed.get(lo + idx)]
@@ -265,12 +286,16 @@ def _batch_pass(ctx: RankContext, fe: Frontend, src: InputSource, writer: Stream
             ms = ((res.done_s - res.admit_s)[res.ok] * 1e3).astype(np.float32)
             lat.append(ms[:: max(1, len(ms) // LATENCY_SAMPLE)])
             failed.append(seg[~res.ok])
+            codes.append(np.where(res.status[~res.ok] == STATUS_ERROR, FAIL_COMPONENT, FAIL_TIMEOUT))
             if fe.stalled:  # nothing comes back: the rows after this session fail too (a re-run serves them)
                 failed.append(rows[lo + SEGMENT_ROWS:])
+                codes.append(np.full(len(failed[-1]), FAIL_TIMEOUT))
                 break
     finally:
         feed.close()
-    return np.concatenate(failed) if failed else np.zeros(0, dtype=np.int64)
+    if not failed:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(failed), np.concatenate(codes).astype(np.int64)
 
 
 def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str, Any]:
@@ -286,22 +311,23 @@ def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str,
            f"(max_inflight {rt.max_inflight}) -> {writer.stream}")
     t0 = time.perf_counter()
     lat: list[np.ndarray] = []
-    failed = retried = np.zeros(0, dtype=np.int64)
+    failed = retried = codes = np.zeros(0, dtype=np.int64)
+    fe.row_errors = []
     try:
         if len(todo):
-            retried = _batch_pass(ctx, fe, src, writer, todo, chunk, prog, 0, lat)
+            retried, codes = _batch_pass(ctx, fe, src, writer, todo, chunk, prog, 0, lat)
             if len(retried) and not fe.stalled:
-                say(0, f"batch mode: {len(retried)} rows failed (timed out); retrying them once")
+                say(0, f"batch mode: {len(retried)} rows failed ({_reasons(codes)}); retrying them once")
                 writer.flush()
-                failed = _batch_pass(ctx, fe, src, writer, retried, chunk, prog, len(retried), lat)
-                writer.fail(failed, FAIL_TIMEOUT)
+                failed, codes = _batch_pass(ctx, fe, src, writer, retried, chunk, prog, len(retried), lat)
+                _mark_failed(writer, failed, codes)
             elif len(retried):
                 failed = retried
                 say(0, f"batch mode: the pipeline stalled: {len(failed)} rows not served (no retry); a "
                        "silent rank is named at the end of the job")
-                writer.fail(failed, FAIL_TIMEOUT)
-                if rt.max_failures is not None and len(failed) > rt.max_failures:
-                    raise _too_many(len(failed), rt.max_failures, writer)
+                _mark_failed(writer, failed, codes)
+            if rt.max_failures is not None and len(failed) > rt.max_failures:
+                raise _too_many(len(failed), rt.max_failures, writer)
         writer.flush()
         prog.tick(writer.written, len(failed), force=True)
     except BaseException as e:
@@ -319,6 +345,8 @@ def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str,
                 stopped.write_text(f"{e}; {saved}\n")
             except OSError as e2:  # the marker is for slurm/infer.sbatch; the error below is the record
                 say(0, f"could not write {stopped} ({e2.strerror})")
+            if chain_requeue(lambda: say(0, "batch mode: the rows done are flushed; submitit requeues the job")):
+                raise SystemExit(3) from None  # submitit requeued the job (its handler normally exits itself)
         if isinstance(e, JobInterrupted | TooManyFailures):
             raise type(e)(f"{e}; {saved}") from None
         raise
@@ -332,10 +360,19 @@ def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str,
            f"{served / wall if wall else 0:.1f} rows/s; {kept} kept from an earlier run), {len(retried)} retried, "
            f"{len(failed)} failed; outputs in {out}; frontend peak RSS {rss or 0:.0f} MiB")
     if len(failed):
-        say(0, f"batch mode: failed rows (first 100): {failed[:100].tolist()} ({FAIL_REASONS[FAIL_TIMEOUT]})")
+        say(0, f"batch mode: failed rows after their retry ({_reasons(codes)}; first 100): {failed[:100].tolist()}")
+        for c in sorted(FAIL_REASONS):
+            if (codes == c).any():
+                say(0, f"batch mode:   {FAIL_REASONS[c]}: rows {failed[codes == c][:20].tolist()}")
+    errors = list(dict.fromkeys(msg for _, msg in fe.row_errors))[:5]
+    for msg in errors:
+        say(0, f"batch mode: a component's error on failed rows: {msg}")
     return {
         "requests": n, "rows": n, "kept": kept, "served": served, "done": int(writer.done.sum()),
         "retried": len(retried), "failed": len(failed), "failed_ids": [int(i) for i in failed[:100]],
+        "failed_reasons": {FAIL_REASONS[c].split(" (")[0]: int((codes == c).sum()) for c in FAIL_REASONS
+                           if (codes == c).any()},
+        "component_errors": errors,
         "output_path": str(out), "wall_s": wall, "chunk_rows": chunk,
         "throughput_rps": float(served / wall) if wall else None,
         "frontend_peak_rss_mb": rss,

@@ -61,10 +61,11 @@ class TraceSettings:
 @dataclass(frozen=True, slots=True)
 class FaultSettings:
     """``runtime.fault`` (tests only): make component ``component`` raise, or sleep ``sleep_s`` on ``times``
-    batches, after ``after_batches`` batches."""
+    batches, after ``after_batches`` batches; ``nan``: raise on every batch whose inputs hold a NaN (a bad
+    sample: batch mode fails only its rows)."""
 
     component: str
-    kind: Literal["raise", "sleep"]
+    kind: Literal["raise", "sleep", "nan"]
     after_batches: int
     sleep_s: float
     times: int
@@ -76,7 +77,7 @@ class FaultSettings:
         keys = tuple(f.name for f in fields(cls))
         f = Checker("runtime.fault", values, keys)
         out = cls(component=f.string("component"),
-                  kind=f.choice("kind", ("raise", "sleep"), default="raise"),
+                  kind=f.choice("kind", ("raise", "sleep", "nan"), default="raise"),
                   after_batches=f.integer("after_batches", lo=0, default=0),
                   sleep_s=f.number("sleep_s", lo=0, default=1.0),
                   times=f.integer("times", lo=0, default=1))

@@ -43,6 +43,7 @@ __all__ = [
     "KIND_CONTROL",
     "KIND_DATA",
     "KIND_ERROR",
+    "KIND_ROW_ERROR",
     "KIND_STOP",
     "TAG_HEADER",
     "TAG_PAYLOAD",
@@ -70,6 +71,7 @@ KIND_DATA = 1
 KIND_STOP = 2
 KIND_ERROR = 3
 KIND_CONTROL = 4
+KIND_ROW_ERROR = 5  # batch mode: these requests failed in a component (payload: the message); it keeps serving
 TAG_HEADER = 7101
 TAG_PAYLOAD = 7102
 _FIXED = 7
@@ -374,7 +376,7 @@ def isend_message(
     dest : int
         Destination rank.
     kind : int
-        ``KIND_DATA``, ``KIND_STOP``, ``KIND_ERROR`` or ``KIND_CONTROL``.
+        ``KIND_DATA``, ``KIND_STOP``, ``KIND_ERROR``, ``KIND_ROW_ERROR`` or ``KIND_CONTROL``.
     request_ids, routes
         One id (and one route) per row of every tensor.
     tensors : sequence of (slot, tensor) or (slot, tensor, rdim)

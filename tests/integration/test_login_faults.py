@@ -158,6 +158,26 @@ def test_signal_to_the_login_process_stops_the_whole_job(
 
 
 @pytest.mark.timeout(600)
+def test_ctrl_c_stops_a_server_cleanly(toy: tuple[Path, Path, list[str]], tmp_path: Path) -> None:
+    """Ctrl-C is how a server ends: it drains, every rank exits 0, and so does the login process."""
+    sb, plan, comps = toy
+    run = tmp_path / "run"
+    proc = _start(run, sb, plan, "serve", "runtime.mode=server", "runtime.server_drain_s=5")
+    _wait_ranks(proc, run, 1 + len(comps))
+    deadline = time.monotonic() + 120
+    while not (run / "endpoint.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert (run / "endpoint.json").exists(), "the server never wrote endpoint.json"
+    proc.send_signal(signal.SIGINT)
+    rc, out, took = _finish(proc, BOUND_S)
+    print(f"server SIGINT: login process exited {rc} after {took:.1f} s")
+    assert rc == 0, out[-3000:]
+    assert "the server drained and stopped cleanly" in out and "Traceback" not in out, out[-3000:]
+    assert "stopped by SIGINT" not in out
+    _no_orphans(run)
+
+
+@pytest.mark.timeout(600)
 def test_a_sigkilled_component_rank_is_named(toy: tuple[Path, Path, list[str]], tmp_path: Path) -> None:
     sb, plan, comps = toy
     run = tmp_path / "run"

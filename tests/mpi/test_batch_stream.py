@@ -199,3 +199,51 @@ def test_max_failures_stops_the_job_and_keeps_the_rows_done(toy: dict, tmp_path:
     with h5py.File(tmp_path / "out.h5", "r") as f:
         done = f["done"][()]
         assert 0 < done.sum() < 200 and done[:3].all()
+
+
+BAD_ROWS = [5, 123, 777, 1999]
+
+
+def _serve_bad_rows(toy: dict, tmp_path: Path, **runtime: object) -> tuple[subprocess.CompletedProcess, str]:
+    """2000 rows of which BAD_ROWS hold a NaN, which the last component refuses (runtime.fault kind=nan)."""
+    from hpcsplit.switchboard.reader import Switchboard
+
+    x = toy["x"][:2000].copy()
+    x[BAD_ROWS, 0] = np.nan
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset(toy["name"], data=x, chunks=(512, x.shape[1]))
+    last = Switchboard.load(toy["sb"]).order[-1]
+    p = _serve(toy, tmp_path / "run", {
+        "input_path": str(tmp_path / "in.h5"), "output_path": str(tmp_path / "out.h5"), "verify": False,
+        "fault": {"component": last, "kind": "nan"}, **runtime}, 180)
+    return p, last
+
+
+def test_a_component_error_fails_only_its_rows_retried_once_and_listed(toy: dict, tmp_path: Path) -> None:
+    from hpcsplit.runtime.batch_stream import FAIL_COMPONENT
+
+    p, last = _serve_bad_rows(toy, tmp_path, max_inflight=64)
+    # the job ends non-zero (not every row is done) after serving every other row, and says why
+    assert p.returncode != 0
+    err = p.stderr
+    assert f"{len(BAD_ROWS)} rows failed ({len(BAD_ROWS)} component error); retrying them once" in err, err[-3000:]
+    assert f"component error (the component raised on this row alone): rows {BAD_ROWS}" in err, err[-3000:]
+    assert (f"{len(BAD_ROWS)} row(s) failed after their retry ({len(BAD_ROWS)} component error; ids {BAD_ROWS}"
+            in err), err[-3000:]
+    assert f"component {last!r}: ValueError: a NaN in the inputs" in err
+    good = np.setdiff1d(np.arange(2000), BAD_ROWS)
+    with h5py.File(tmp_path / "out.h5", "r") as f:
+        done, failed = f["done"][()], f["failed"][()]
+        assert done[good].all() and not done[BAD_ROWS].any()
+        assert (failed[BAD_ROWS] == FAIL_COMPONENT).all() and (failed[good] == 0).all()
+        assert (f["done_count"][()][good] == 1).all()
+        # rows that shared a batch with a bad one were served alone, with the same outputs
+        np.testing.assert_allclose(f["output"][()][good], toy["ref"][good], rtol=1e-4, atol=1e-5)
+
+
+def test_component_errors_past_max_failures_stop_the_job(toy: dict, tmp_path: Path) -> None:
+    p, _ = _serve_bad_rows(toy, tmp_path, max_failures=2)
+    assert p.returncode != 0
+    assert "more than runtime.max_failures=2: stopping" in p.stderr, p.stderr[-2000:]
+    with h5py.File(tmp_path / "out.h5", "r") as f:
+        assert f["done"][()].sum() >= 2000 - len(BAD_ROWS) - 64 * 4  # the rows done are kept

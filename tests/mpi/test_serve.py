@@ -156,7 +156,9 @@ def test_clip_tiny_batch_mode_equals_whole_model(tmp_path: Path, clip_sb: Path) 
     assert "match the reference" in p.stderr
 
 
-def test_raising_rank_aborts_quickly_with_message(tmp_path: Path, toy_sb: Path) -> None:
+def test_raising_rank_fails_its_rows_and_ends_the_job_quickly_with_message(tmp_path: Path, toy_sb: Path) -> None:
+    """Batch mode ([Note: failed rows]): a component that raises on every batch fails every row it gets (each
+    tried alone, then retried once) and the job ends non-zero within seconds, the rows done before kept."""
     n = _plan(toy_sb, tmp_path / "plan.json", batch=2)
     last = _last(toy_sb)
     _inputs(toy_sb, 40, tmp_path / "in.npz")
@@ -167,9 +169,9 @@ def test_raising_rank_aborts_quickly_with_message(tmp_path: Path, toy_sb: Path) 
                timeout_s=90)
     elapsed = time.monotonic() - t0
     assert p.returncode != 0
-    assert f"component '{last}' failed on requests" in p.stderr
+    assert f"[rank 2] {last}: " in p.stderr and "request(s) failed alone" in p.stderr, p.stderr[-3000:]
     assert "injected fault" in p.stderr
-    assert "rank 2" in p.stderr
+    assert "row(s) failed after their retry" in p.stderr and "component error" in p.stderr
     out = _read(tmp_path / "out.npz")  # what finished before the error was written
     assert 0 < out["done"].sum() < 40
     assert elapsed < 60

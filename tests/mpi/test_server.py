@@ -282,6 +282,20 @@ def test_statistics_and_metrics_move(toy: Server, toy_sb: Path) -> None:
     assert after["inference_stats"]["success"]["ns"] > before["inference_stats"]["success"]["ns"]
     assert _metric(toy, 'hpcsplit_requests_total{outcome="ok"') == m0 + 1
     assert _metric(toy, "hpcsplit_queue_depth") == 0
+    # every component replica's own counters, which its rank sends once a second while they change
+    from hpcsplit.switchboard.reader import Switchboard
+
+    comps = Switchboard.load(toy_sb).order
+    s0 = {c: _metric(toy, f'hpcsplit_component_samples_total{{component="{c}"') for c in comps}
+    _infer(toy, th, toy_sb, _inputs_for(toy_sb, 4, seed=10))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            _metric(toy, f'hpcsplit_component_samples_total{{component="{c}"') < s0[c] + 4 for c in comps):
+        time.sleep(0.3)
+    for c in comps:
+        assert _metric(toy, f'hpcsplit_component_samples_total{{component="{c}"') >= s0[c] + 4, c
+        assert _metric(toy, f'hpcsplit_component_batches_total{{component="{c}"') >= 1
+        assert _metric(toy, f'hpcsplit_component_compute_seconds_total{{component="{c}"') > 0
     code = urllib.request.Request(f"http://{toy.url}/metrics")
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(code, timeout=10)

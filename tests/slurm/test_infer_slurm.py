@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,9 +29,24 @@ N = 30_000
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
-def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
+def _check_resumed(run: Path, sb: Any, x: np.ndarray, out: Path, what: str) -> None:
+    """Rows kept from the first run plus rows served after it make the whole input, each committed once,
+    and the outputs equal the whole model's."""
     h5py = pytest.importorskip("h5py")
     torch = pytest.importorskip("torch")
+    s = json.loads((run / "runtime.mpi_main.result.json").read_text())["variants"]["split"]
+    print(f"\n{what}: {s['kept']} of {N} rows kept from the first run, {s['served']} served after it")
+    assert s["kept"] > 0 and s["kept"] + s["served"] == N
+    with torch.no_grad():
+        ref = sb.load_whole()(torch.from_numpy(x))[0].numpy()
+    with h5py.File(out, "r") as f:
+        assert f["done"][()].all() and (f["done_count"][()] == 1).all()
+        np.testing.assert_allclose(f["output"][()], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
+    h5py = pytest.importorskip("h5py")
+    pytest.importorskip("torch")
     from hpcsplit.core.plan import Plan, RankEntry
     from hpcsplit.switchboard.reader import Switchboard
 
@@ -90,12 +106,66 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
         ["scontrol", "show", "job", job], check=False, capture_output=True, text=True).stdout
     assert "SIGUSR2 received" in text and "requeueing job" in text, text[-3000:]
     assert "restart 1" in text and "[infer.sbatch] every row done" in text, text[-3000:]
-    s = json.loads((run / "runtime.mpi_main.result.json").read_text())["variants"]["split"]
-    print(f"\nUSR2 then requeue: {s['kept']} of {N} rows kept from the first run, {s['served']} served after it")
-    assert s["kept"] > 0 and s["kept"] + s["served"] == N
-    whole = sb.load_whole()
-    with torch.no_grad():
-        ref = whole(torch.from_numpy(x))[0].numpy()
-    with h5py.File(tmp_path / "out.h5", "r") as f:
-        assert f["done"][()].all() and (f["done_count"][()] == 1).all()
-        np.testing.assert_allclose(f["output"][()], ref, rtol=1e-4, atol=1e-5)
+    _check_resumed(run, sb, x, tmp_path / "out.h5", "USR2 then requeue")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_submitit_batch_job_usr2_requeues_and_continues(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
+    """``stage=serve runtime.mode=batch launcher=slurm``: USR2 (submitit's timeout warning, a preemption) makes
+    rank 0 flush and hand over to submitit, which requeues the same call; the login side keeps waiting and
+    the requeued job serves only the rows not done."""
+    import re
+
+    h5py = pytest.importorskip("h5py")
+    pytest.importorskip("torch")
+    from hpcsplit.switchboard.reader import Switchboard
+    from tests.mpi.test_serve import _plan
+
+    sb_dir = switchboards("toy_mlp", stages=2, max_branches=2)
+    sb = Switchboard.load(sb_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    _plan(sb_dir, run / "plan.json")
+    (spec,) = sb.layout.inputs
+    x = np.random.default_rng(4).standard_normal((N, *spec.shape[1:])).astype(np.float32)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset(spec.name, data=x, chunks=(4096, x.shape[1]))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcsplit", "stage=serve", "runtime.mode=batch", "launcher=slurm", "cluster=dev",
+         "launcher.poll_s=1", "launcher.poll_max_s=2", f"plan={run / 'plan.json'}", f"switchboard={sb_dir}",
+         f"runtime.input_path={tmp_path / 'in.h5'}", f"runtime.output_path={tmp_path / 'out.h5'}",
+         "runtime.progress_s=1", "runtime.max_inflight=256", "runtime.chunk_rows=8192", f"hydra.run.dir={run}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = None
+    try:
+        deadline = time.monotonic() + 600
+        prog = run / "batch-progress.txt"
+        while time.monotonic() < deadline and proc.poll() is None:
+            logs = sorted((run / "slurm").glob("*_0_log.out")) if (run / "slurm").exists() else []
+            if logs and job is None:
+                job = re.match(r"(\d+)_", logs[0].name).group(1)  # type: ignore[union-attr]
+            text = prog.read_text() if prog.exists() else ""
+            if job and text and int(text.split("batch progress: ")[1].split("/")[0]) >= N // 5:
+                break
+            time.sleep(0.5)
+        assert job is not None and proc.poll() is None, proc.communicate(timeout=60)[0][-3000:]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        released = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            if not released and _job_state(int(job)) == "PENDING":
+                # SLURM holds a requeued job ~2 minutes (BeginTime); let it start now
+                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+                released = True
+            time.sleep(1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if job is not None and _job_state(int(job)) not in FINISHED:
+            subprocess.run(["scancel", job], check=False)
+    logs = "".join(p.read_text(errors="replace") for p in sorted((run / "slurm").glob(f"{job}_*_log.*")))
+    assert proc.returncode == 0, (out + logs)[-4000:]
+    assert "submitit requeues the job" in logs and "rows done already (kept)" in logs, logs[-3000:]
+    _check_resumed(run, sb, x, tmp_path / "out.h5", "submitit USR2 then requeue")

@@ -20,11 +20,13 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime.server.protocol import InferRequest, ModelSpec, RequestRejected
@@ -98,9 +100,9 @@ class Hub:
         g2.set_function(lambda: self.inflight_rows)
         g3 = Gauge("hpcsplit_ready", "1 while the server admits requests", registry=r)
         g3.set_function(lambda: float(self.is_ready()))
-        self.m_component_batches = Counter("hpcsplit_component_batches",
-                                           "Component batches that carried served samples (seen at the frontend)",
-                                           ["component"], registry=r)
+        # (component, rank) -> [batches, samples, compute us, largest batch, failed rows], sent by the ranks
+        self.components: dict[tuple[str, int], list[int]] = {}
+        r.register(_ComponentCollector(self))
         self._wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._wake_sock.setblocking(False)
 
@@ -200,5 +202,38 @@ class Hub:
                                      "execution_count": self.execution_count,
                                      "inference_stats": st, "batch_stats": []}]}
 
+    def component_stats(self, name: str, rank: int, values: list[int]) -> None:
+        """A component rank's counters so far (``serve_component``'s ``stats_every_s``); malformed ones are
+        ignored."""
+        if len(values) == 5 and all(isinstance(v, int) and v >= 0 for v in values):
+            self.components[(name, int(rank))] = list(values)
+
     def close(self) -> None:
         self._wake_sock.close()
+
+
+class _ComponentCollector:
+    """``/metrics`` for every component replica, from the counters its rank sends once a second."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    def describe(self) -> list[Any]:
+        return []  # the replicas are known once their ranks report
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["component", "rank"]
+        batches = CounterMetricFamily("hpcsplit_component_batches", "Batches a component replica ran", labels=labels)
+        samples = CounterMetricFamily("hpcsplit_component_samples", "Samples a component replica computed",
+                                      labels=labels)
+        compute = CounterMetricFamily("hpcsplit_component_compute_seconds",
+                                      "Time a component replica spent in its program", labels=labels)
+        largest = GaugeMetricFamily("hpcsplit_component_max_batch", "Largest batch a component replica ran",
+                                    labels=labels)
+        for (name, rank), (b, n, us, mx, _failed) in sorted(self.hub.components.items()):
+            key = [name, str(rank)]
+            batches.add_metric(key, b)
+            samples.add_metric(key, n)
+            compute.add_metric(key, us / 1e6)
+            largest.add_metric(key, mx)
+        yield from (batches, samples, compute, largest)

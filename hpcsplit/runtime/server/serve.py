@@ -271,6 +271,10 @@ def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, Any]:
                     hub.fail(t, err, "error")
                 time.sleep(0.5)  # the answers leave before the job aborts
                 raise RemoteRankError(msg)
+            if h.kind == tp.KIND_CONTROL and m.tensors:  # a component's live counters (for /metrics)
+                if 0 <= h.aux < len(df.components):
+                    hub.component_stats(df.components[h.aux].name, m.source, m.tensors[0].tolist())
+                continue
             if h.kind != tp.KIND_DATA:
                 continue
             for row, rid in enumerate(h.request_ids):

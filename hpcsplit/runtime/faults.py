@@ -83,7 +83,9 @@ def chain_requeue(before: Callable[[], object] | None = None) -> bool:
         return False
     signum = _SIGNALLED[0][0]
     prev = _PREVIOUS.get(signum)
-    if not callable(prev) or not str(getattr(prev, "__module__", "")).startswith("submitit"):
+    # submitit requeues on USR2 only (its SIGTERM handler just logs: SLURM itself requeues on a preemption)
+    if (signum != signal.SIGUSR2 or not callable(prev)
+            or not str(getattr(prev, "__module__", "")).startswith("submitit")):
         return False
     if before is not None:
         before()

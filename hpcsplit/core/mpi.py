@@ -39,14 +39,20 @@ def _task_id() -> str:
     return str(os.getpid())
 
 
-def _record(state: str) -> None:
-    """``$HPCSPLIT_MPI_INIT_DIR/rank-<task>.txt``: ``started`` before MPI_Init, ``ready`` after it."""
+def _marker() -> str:
+    """``$HPCSPLIT_MPI_INIT_DIR/rank-<task>.txt``, or "" when the launcher asked for no record."""
     folder = os.environ.get(MPI_INIT_DIR_VAR)
-    if not folder:
+    return os.path.join(folder, f"rank-{_task_id()}.txt") if folder else ""
+
+
+def _record(state: str) -> None:
+    """This rank's marker: ``started`` before MPI_Init, ``ready`` after it (``timeout``: the watcher's)."""
+    marker = _marker()
+    if not marker:
         return
     try:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"rank-{_task_id()}.txt"), "w", encoding="utf-8") as f:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w", encoding="utf-8") as f:
             f.write(f"{state} {socket.gethostname()} {time.time():.3f}\n")
     except OSError:  # a record for the launcher's retry, never a reason to fail
         pass
@@ -73,9 +79,8 @@ def init_with_deadline(timeout_s: float | None = None) -> None:
 
     MPI_Init waits on the process manager's PMI exchange with every other rank; when a message of it
     is lost (Slurm 22.05's pmi2 server misreading a long value: "value not properly terminated") it
-    waits for ever.  After ``HPCSPLIT_MPI_INIT_TIMEOUT_S`` (default 180 s) this rank prints what
-    happened is killed (SIGKILL; no work has started), so the launcher may start
-    the ranks again (``launcher=slurm`` does, once; see :func:`hpcsplit.launch.slurm.startup_failed`).
+    waits for ever.  After ``HPCSPLIT_MPI_INIT_TIMEOUT_S`` (default 180 s; 0: no deadline) this rank is
+    named on stderr and killed (SIGKILL; no work has started), so the launcher may start the ranks again (``launcher=slurm`` does, once; see :func:`hpcsplit.launch.slurm.startup_failed`).
     """
     if MPI.Is_initialized():
         return
@@ -84,24 +89,21 @@ def init_with_deadline(timeout_s: float | None = None) -> None:
             timeout_s = float(os.environ.get(INIT_TIMEOUT_VAR, INIT_TIMEOUT_S))
         except ValueError:
             timeout_s = INIT_TIMEOUT_S
+    _record("started")
     if timeout_s <= 0:  # no deadline
-        _record("started")
         MPI.Init_thread(MPI.THREAD_SERIALIZED)
         _record("ready")
         return
     msg = (f"[rank {_task_id()}] MPI_Init did not finish within {timeout_s:g} s on {socket.gethostname()}: the "
            "ranks' startup exchange with the process manager (srun's PMI, mpiexec) is stuck, or another rank never "
            f"started; this rank stops (nothing ran yet: starting the job again may work; {INIT_TIMEOUT_VAR} sets "
-           "the limit)\n").encode()
-    _record("started")
+           "the limit)\n")
     # MPI_Init holds the GIL while it waits, so no Python thread or signal handler can run: the watcher
     # is a separate small process (forked, then exec'd: it must not look like a rank to anyone who
     # lists the job's processes), which ends when the pipe closes (MPI_Init returned, or this rank died)
     r, w = os.pipe()
-    folder = os.environ.get(MPI_INIT_DIR_VAR) or ""
-    marker = os.path.join(folder, f"rank-{_task_id()}.txt") if folder else ""
-    argv = [sys.executable, "-I", "-S", "-c", _WATCHER, str(r), repr(float(timeout_s)), str(os.getpid()), marker,
-            socket.gethostname(), msg.decode()]
+    argv = [sys.executable, "-I", "-S", "-c", _WATCHER, str(r), repr(float(timeout_s)), str(os.getpid()), _marker(),
+            socket.gethostname(), msg]
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child: exec the watcher, or give up watching
         try:

@@ -246,8 +246,7 @@ def executor_parameters(
     extra = dict(slurm.extra.get("sbatch_args") or {})
     if not geo.even and not uneven:
         extra["ntasks"] = geo.ntasks
-    row = STAGES.get(stage)
-    if not (requeue if requeue is not None else row is not None and row.requeueable):
+    if not (requeueable(stage, {}) if requeue is None else requeue):
         extra.setdefault("no_requeue", True)  # a NODE_FAIL ends the job (it would wait for the lost node)
     if extra:
         params["additional_parameters"] = extra

@@ -241,7 +241,7 @@ def _send_outputs(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: 
 # component error), retries them once at the end of the pass, lists them, and stops the job when
 # runtime.max_failures is exceeded; this rank keeps serving.  Downstream components never see a failed
 # request; their partial joins of it expire (request_timeout_s).  A crash (the rank dies) still ends the job.
-ROW_ERROR_LOGS = 5  # a component logs its first few failed batches, then every 100th
+ROW_ERROR_LOGS = 5  # a component logs its first few failed rows, then every 100th batch
 
 
 def _rows_one_by_one(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: list[ReadyRequest],
@@ -265,7 +265,7 @@ def _rows_one_by_one(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, item
     n_before = stats["row_errors"]
     stats["row_errors"] += len(bad)
     text = f"rank {rank} component {name!r}: {first}"[:2000]
-    if n_before == 0 or stats["batches"] % 100 == 0 or n_before < ROW_ERROR_LOGS:
+    if n_before < ROW_ERROR_LOGS or stats["batches"] % 100 == 0:
         say(rank, f"{name}: {len(bad)} of {len(items)} request(s) failed alone ({first[:300]}); "
                   f"reported to the frontend as failed rows, still serving ({stats['row_errors']} so far)")
     payload = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)

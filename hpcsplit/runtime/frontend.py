@@ -117,7 +117,7 @@ class Frontend:
                              for j, (src, name) in enumerate(dataflow.output_sources) if src == INPUT]
         self.n_outputs = len(dataflow.outputs)
         self.stalled = False  # the last session ended because nothing came back (see run's ``admission``)
-        self.row_errors: list[tuple[int, str]] = []  # (failed requests, message) of KIND_ROW_ERROR, first 20
+        self.row_errors: list[str] = []  # the messages of the first 20 KIND_ROW_ERROR reports
 
     # ------------------------------------------------------------------ session
     def run(
@@ -217,7 +217,7 @@ class Frontend:
                             resolved += 1
                             failed += 1
                     if failed and len(self.row_errors) < 20:
-                        self.row_errors.append((failed, _decode_error(m)))
+                        self.row_errors.append(_decode_error(m))
                     continue
                 if h.kind != tp.KIND_DATA:
                     continue

@@ -177,13 +177,13 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
     if rt.mode == "batch" and failed:
         split = summary["variants"]["split"]
         why = ", ".join(f"{n} {r}" for r, n in split.get("failed_reasons", {}).items())
-        hint = ("for timeouts raise runtime.request_timeout_s or find the slow component in the per-rank counters; "
-                f"component errors: {split['component_errors'][0]}" if split.get("component_errors") else
-                "raise runtime.request_timeout_s or find the slow component in the per-rank counters")
+        slow = "raise runtime.request_timeout_s or find the slow component in the per-rank counters"
+        errors = split.get("component_errors")
+        hint = f"For timeouts {slow}; component errors: {errors[0]}" if errors else slow.capitalize()
         raise RequestTimeoutError(
             f"{failed} row(s) failed after their retry ({why or 'timeout'}; ids {split['failed_ids'][:10]}); the "
             f"outputs of the others are in {split['output_path']} (see its 'done' mask and 'failed' reasons), "
-            f"and re-running the same command serves only the rows not done. {hint[0].upper()}{hint[1:]}."
+            f"and re-running the same command serves only the rows not done. {hint}."
         )
     return summary
 
@@ -232,16 +232,23 @@ def _too_many(n: int, limit: int, writer: StreamWriter) -> TooManyFailures:
         "(its rank names it), then re-run the same command to continue")
 
 
+def _by_reason(codes: np.ndarray) -> dict[int, np.ndarray]:
+    """``FAIL_*`` code -> mask of the rows that failed for it, for the codes present (in code order)."""
+    return {c: codes == c for c in sorted(FAIL_REASONS) if (codes == c).any()}
+
+
+def _reason_name(code: int) -> str:
+    return FAIL_REASONS[code].split(" (")[0]  # "timeout", "component error"
+
+
 def _reasons(codes: np.ndarray) -> str:
     """``3 timeout, 1 component error`` for the ``failed`` reason codes of some rows."""
-    return ", ".join(f"{int((codes == c).sum())} {FAIL_REASONS[c].split(' (')[0]}" for c in sorted(FAIL_REASONS)
-                     if (codes == c).any())
+    return ", ".join(f"{int(mask.sum())} {_reason_name(c)}" for c, mask in _by_reason(codes).items())
 
 
 def _mark_failed(writer: StreamWriter, rows: np.ndarray, codes: np.ndarray) -> None:
-    for c in FAIL_REASONS:
-        if (codes == c).any():
-            writer.fail(rows[codes == c], c)
+    for c, mask in _by_reason(codes).items():
+        writer.fail(rows[mask], c)
 
 
 def _batch_pass(ctx: RankContext, fe: Frontend, src: InputSource, writer: StreamWriter, rows: np.ndarray,
@@ -361,17 +368,15 @@ def _batch_mode(ctx: RankContext, fe: Frontend, batch: BatchInputs) -> dict[str,
            f"{len(failed)} failed; outputs in {out}; frontend peak RSS {rss or 0:.0f} MiB")
     if len(failed):
         say(0, f"batch mode: failed rows after their retry ({_reasons(codes)}; first 100): {failed[:100].tolist()}")
-        for c in sorted(FAIL_REASONS):
-            if (codes == c).any():
-                say(0, f"batch mode:   {FAIL_REASONS[c]}: rows {failed[codes == c][:20].tolist()}")
-    errors = list(dict.fromkeys(msg for _, msg in fe.row_errors))[:5]
+        for c, mask in _by_reason(codes).items():
+            say(0, f"batch mode:   {FAIL_REASONS[c]}: rows {failed[mask][:20].tolist()}")
+    errors = list(dict.fromkeys(fe.row_errors))[:5]
     for msg in errors:
         say(0, f"batch mode: a component's error on failed rows: {msg}")
     return {
         "requests": n, "rows": n, "kept": kept, "served": served, "done": int(writer.done.sum()),
         "retried": len(retried), "failed": len(failed), "failed_ids": [int(i) for i in failed[:100]],
-        "failed_reasons": {FAIL_REASONS[c].split(" (")[0]: int((codes == c).sum()) for c in FAIL_REASONS
-                           if (codes == c).any()},
+        "failed_reasons": {_reason_name(c): int(mask.sum()) for c, mask in _by_reason(codes).items()},
         "component_errors": errors,
         "output_path": str(out), "wall_s": wall, "chunk_rows": chunk,
         "throughput_rps": float(served / wall) if wall else None,

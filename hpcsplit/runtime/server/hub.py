@@ -230,7 +230,7 @@ class _ComponentCollector:
                                       "Time a component replica spent in its program", labels=labels)
         largest = GaugeMetricFamily("hpcsplit_component_max_batch", "Largest batch a component replica ran",
                                     labels=labels)
-        for (name, rank), (b, n, us, mx, _failed) in sorted(self.hub.components.items()):
+        for (name, rank), (b, n, us, mx, _failed) in sorted(dict(self.hub.components).items()):  # a snapshot
             key = [name, str(rank)]
             batches.add_metric(key, b)
             samples.add_metric(key, n)

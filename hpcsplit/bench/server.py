@@ -5,7 +5,7 @@
 One run, figures side by side: requests/s, p50 and p99 (perf_analyzer's, client side) at each concurrency
 over HTTP with JSON tensors, HTTP with the binary extension, and gRPC, for
 
-* ``hpcsplit``: ``stage=serve runtime.mode=server`` of a trivial model (the toy MLP at 8-8-8, one component:
+* ``hpcsplit``: ``stage=serve runtime.mode=server`` of a trivial model (one 8 -> 8 linear layer, one component:
   frontend + 1 rank under mpiexec), token on, as deployed;
 * ``echo``: an aiohttp app and a grpc.aio server in one process answering every infer with a canned response
   (no parsing, no pipeline): the ceiling of the protocol stack in Python on this machine;
@@ -32,13 +32,13 @@ from typing import Any
 
 import grpc
 import numpy as np
+import torch
 from aiohttp import web
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
 from hpcsplit.core.plan import Plan, RankEntry
 from hpcsplit.launch.local import find_mpiexec
-from hpcsplit.switchboard.models import build_toy, example_inputs
 from hpcsplit.switchboard.reader import Switchboard
 from hpcsplit.switchboard.writer import export
 
@@ -121,10 +121,11 @@ def _echo_main(port_file: str) -> None:
 
 # ------------------------------------------------------------------------------------------ setup
 def _toy(tmp: Path) -> tuple[Path, Path, int]:
-    """A trivial model (toy MLP 8-8-8, one component) exported, and its plan (frontend + 1 rank)."""
-    m = build_toy(8, 8, 8)
+    """A trivial model (one 8 -> 8 linear layer, one component) exported, and its plan (frontend + 1 rank)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     sb_dir = tmp / "switchboard"
-    export(m, example_inputs("toy_mlp", 2, model=m), out=sb_dir, name="toy_mlp", cost="flops", stages=1)
+    export(m, (torch.randn(2, 8),), out=sb_dir, name="linear8", cost="flops", stages=1)
     sb = Switchboard.load(sb_dir)
     ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
     for c in sb.order:
@@ -143,19 +144,21 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _start_hpcsplit(tmp: Path, sb: Path, plan: Path, n: int) -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
-    cfg = tmp / "server.cfg.json"
+def _start_hpcsplit(tmp: Path, sb: Path, plan: Path, n: int, runtime: dict[str, Any] | None = None,
+                    name: str = "server") -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
+    """``stage=serve runtime.mode=server`` under mpiexec on this node; returns it once its endpoint is up."""
+    cfg = tmp / f"{name}.cfg.json"
     cfg.write_text(json.dumps({"stage": "serve", "plan": str(plan), "switchboard": str(sb),
                                "runtime": {"mode": "server", "server_host": "127.0.0.1", "max_inflight": 256,
-                                           "server_queue": 1024}}))
-    run = tmp / "server-run"
-    with open(tmp / "server.log", "wb") as log:
+                                           "server_queue": 1024, **(runtime or {})}}))
+    run = tmp / f"{name}-run"
+    with open(tmp / f"{name}.log", "wb") as log:
         proc = subprocess.Popen(_mpi_cmd(n, cfg, run), env=_env(), stdout=log, stderr=subprocess.STDOUT)
     ep = run / "endpoint.json"
     t_end = time.monotonic() + 180
     while not ep.exists():
         if proc.poll() is not None or time.monotonic() > t_end:
-            raise SystemExit(f"the hpcsplit server did not start; log: {tmp / 'server.log'}")
+            raise SystemExit(f"the hpcsplit server did not start; log: {tmp / f'{name}.log'}")
         time.sleep(0.2)
     time.sleep(0.2)
     info = json.loads(ep.read_text())
@@ -177,15 +180,20 @@ def _frontend_ceiling(tmp: Path, sb: Path, plan: Path, n: int, samples: int) -> 
 
 
 def _perf(pa: Path, model: str, port: int, protocol: str, fmt: str, conc: int, interval_ms: int, token: str | None,
-          out: Path) -> tuple[float, float, float] | None:
+          out: Path, extra: tuple[str, ...] = (), timeout_s: float = 120.0) -> tuple[float, float, float] | None:
+    """One perf_analyzer level: (infer/s, p50 ms, p99 ms), or None (said on stderr) when it measured nothing."""
     cmd = [str(pa), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency-range", str(conc),
            "--measurement-interval", str(interval_ms), "--stability-percentage", "50", "--max-trials", "3",
-           "-f", str(out)]
+           "-f", str(out), *extra]
     if protocol == "http":
         cmd += ["--input-tensor-format", fmt, "--output-tensor-format", fmt]
     if token:
         cmd += ["-H", f"{'Authorization' if protocol == 'http' else 'authorization'}:Bearer {token}"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"  perf_analyzer did not finish within {timeout_s:g} s (concurrency {conc})", file=sys.stderr)
+        return None
     if p.returncode not in (0, 2) or not out.exists():
         print(f"  perf_analyzer failed (rc {p.returncode}): {(p.stderr or p.stdout)[-300:]}", file=sys.stderr)
         return None
@@ -194,6 +202,15 @@ def _perf(pa: Path, model: str, port: int, protocol: str, fmt: str, conc: int, i
         return None
     r = rows[-1]
     return float(r["Inferences/Second"]), float(r["p50 latency"]) / 1e3, float(r["p99 latency"]) / 1e3
+
+
+def perf_analyzer() -> Path | None:
+    """perf_analyzer from ``scripts/setup-perf.sh`` (installed on first use), or None (said on stderr)."""
+    setup = subprocess.run([str(ROOT / "scripts" / "setup-perf.sh")], capture_output=True, text=True, check=False)
+    if setup.returncode != 0 or not setup.stdout.strip():
+        print(f"perf_analyzer is not available (scripts/setup-perf.sh): {setup.stderr[-500:]}", file=sys.stderr)
+        return None
+    return ROOT / setup.stdout.strip().splitlines()[-1]
 
 
 def main(argv: list[str]) -> int:
@@ -206,11 +223,9 @@ def main(argv: list[str]) -> int:
     if args.echo_server:
         _echo_main(args.echo_server)
         return 0
-    setup = subprocess.run([str(ROOT / "scripts" / "setup-perf.sh")], capture_output=True, text=True, check=False)
-    if setup.returncode != 0:
-        print(f"perf_analyzer is not available: {setup.stderr[-500:]}", file=sys.stderr)
+    pa = perf_analyzer()
+    if pa is None:
         return 2
-    pa = ROOT / setup.stdout.strip().splitlines()[-1]
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="hpcsplit-bench-server-") as d:
         tmp = Path(d)
@@ -242,7 +257,7 @@ def main(argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 srv.kill()
             echo.wait(10)
-    print(f"python -m hpcsplit.bench server: trivial model (toy 8-8-8, frontend + 1 component rank), perf_analyzer "
+    print(f"python -m hpcsplit.bench server: trivial model (one 8 -> 8 linear layer, frontend + 1 component rank), perf_analyzer "
           f"{args.interval_ms} ms windows, {os.cpu_count()} cores")
     print(f"MPI frontend's own ceiling (batch mode, {args.samples} requests, no protocol): "
           + (f"{ceiling:.0f} req/s" if ceiling else "n/a"))

@@ -474,8 +474,14 @@ def wait_for_job(
     progress_s: float = 30.0,
     echo: Callable[[str], None] = print,
     status_fn: Callable[[str], JobStatus] = job_status,
+    drain_s: float | None = None,
 ) -> Any:
     """Wait for ``job`` with progress lines; return rank 0's result or raise :class:`LaunchError`.
+
+    Ctrl-C (or any exception) while waiting cancels the job and re-raises, except for a server job
+    (``drain_s`` given): Ctrl-C is how a server ends, so its ranks get SIGTERM (``scancel --signal=TERM``,
+    which leaves the job to finish), it drains, and if it ends within ``drain_s`` its result is returned
+    as for any job that finished; otherwise it is cancelled and the interrupt re-raised.
 
     Parameters
     ----------
@@ -532,7 +538,16 @@ def wait_for_job(
             interval = min(poll_max_s, max(poll_s, (time.monotonic() - t0) / 10))
     except LaunchError:
         raise
-    except BaseException:  # Ctrl-C, a test timeout, a failing poll: never leave the job behind
+    except KeyboardInterrupt:
+        ended = _drain_server(job, drain_s, echo, status_fn) if drain_s is not None else None
+        if ended is None:
+            _scancel(job.job_id)
+            echo(f"[hpcsplit] interrupted: cancelled job {job.job_id}")
+            raise
+        status = ended
+        if status.state == "COMPLETED":
+            echo(f"[hpcsplit] job {job.job_id}: the server drained and stopped cleanly")
+    except BaseException:  # a test timeout, a failing poll: never leave the job behind
         _scancel(job.job_id)
         echo(f"[hpcsplit] interrupted: cancelled job {job.job_id}")
         raise
@@ -552,6 +567,27 @@ def wait_for_job(
 
 def _scancel(job_id: str) -> None:
     _run(["scancel", job_id])
+
+
+def _drain_server(job: SubmittedJob, drain_s: float, echo: Callable[[str], None],
+                  status_fn: Callable[[str], JobStatus]) -> JobStatus | None:
+    """Ctrl-C on a server job: SIGTERM to its steps and wait up to ``drain_s`` for the job to end.
+
+    The job's final status, or None when it did not end in time (or a second Ctrl-C came).
+    """
+    echo(f"[hpcsplit] Ctrl-C: stopping the server job {job.job_id} (it drains; at most {drain_s:g} s, "
+         "Ctrl-C again to cancel it at once)")
+    try:
+        _run(["scancel", "--signal=TERM", job.job_id])
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline:
+            status = status_fn(job.job_id)
+            if not status.active:
+                return status
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    return None
 
 
 def _batch_progress(run_dir: Path) -> str:
@@ -609,6 +645,7 @@ def run_mpi_slurm(
                 poll_max_s=launcher.poll_max_s,
                 progress_s=launcher.progress_s,
                 echo=echo,
+                drain_s=_server_drain_s(stage, cfg),
             )
         except LaunchError:
             stuck = startup_failed(job)
@@ -617,6 +654,15 @@ def run_mpi_slurm(
             echo(f"[hpcsplit] job {job.job_id}: the ranks never formed an MPI world ({stuck}); nothing ran, "
                  "submitting the job once more")
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _server_drain_s(stage: str, cfg: dict[str, Any]) -> float | None:
+    """How long a server job (``stage=serve runtime.mode=server``) may take to drain after Ctrl-C; None otherwise."""
+    rt = cfg.get("runtime")
+    if stage != "serve" or not isinstance(rt, dict) or rt.get("mode") != "server":
+        return None
+    drain = rt.get("server_drain_s", 10.0)
+    return (float(drain) if isinstance(drain, int | float) else 10.0) + 60.0  # + the steps' exit and accounting
 
 
 STARTUP_RETRIES = 1  # a job whose MPI_Init failed or hung (nothing ran) is submitted again this often

@@ -228,23 +228,42 @@ class Doorbell:
 
     def sleep(self, timeout_s: float, probe: Callable[[], bool] | None = None) -> bool:
         """Sleep up to ``timeout_s``; return True when rung (or ``probe()`` saw work) before the timeout."""
-        flags, me = self.flags, self._me
-        flags[me] = 1
-        self.win.Sync()  # fence: the flag is visible before the probe reads the queues
+        if self.arm(probe):
+            return True
         try:
-            if self.udp is not None:
-                _drain(self.udp)  # rings of messages taken while busy (the probe sees any still waiting)
-            if probe is not None and probe():
-                self._drain()  # a sender may have rung as well: no stale byte to end a later sleep
-                return True
             ready, _, _ = select.select(self._socks, [], [], timeout_s)
         finally:
-            flags[me] = 0
+            self.disarm()
         if not ready:
             return False
+        self.rung()
+        return True
+
+    def arm(self, probe: Callable[[], bool] | None = None) -> bool:
+        """Raise this rank's flag before a wait on :attr:`sockets`; True (flag down again) when ``probe()``
+        already sees work.  Otherwise wait, then :meth:`disarm` (and :meth:`rung` if a socket woke it)."""
+        self.flags[self._me] = 1
+        self.win.Sync()  # fence: the flag is visible before the probe reads the queues
+        if self.udp is not None:
+            _drain(self.udp)  # rings of messages taken while busy (the probe sees any still waiting)
+        if probe is not None and probe():
+            self.disarm()
+            self._drain()  # a sender may have rung as well: no stale byte to end a later sleep
+            return True
+        return False
+
+    def disarm(self) -> None:
+        self.flags[self._me] = 0
+
+    def rung(self) -> None:
+        """A wait on :attr:`sockets` ended by a ring: count it and empty the sockets."""
         self.wakeups += 1
         self._drain()
-        return True
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """What a ring writes to (the node-local socket, and the UDP one when other nodes ring)."""
+        return list(self._socks)
 
     def _drain(self) -> None:
         for sk in self._socks:

@@ -78,34 +78,44 @@ class Backoff:
         are all computing each wake-up takes a core from a component for a moment (the compute ranks
         of a 2-core VM were switched out 45 times per 150 ms batch; ``[Note: doorbell]``).
         """
+        s, on_bell = self.plan(now, wake_at, in_flight, quiet)
+        if s <= 0:
+            return
+        db = _DOORBELL
+        if on_bell:
+            # the probe after raising the flag catches a message sent just before it went up
+            # (its sender saw no flag and rang nobody)
+            if db.sleep(s, db.probe_header):  # a message is waiting: poll back to back again
+                self.reset()  # (the next poll takes it; a rung rank must not wait one more sleep)
+        else:
+            time.sleep(s)
+
+    def plan(self, now: float, wake_at: float | None = None, in_flight: bool = False,
+             quiet: bool = False) -> tuple[float, bool]:
+        """The next idle pause as :meth:`idle` would take it: ``(seconds, on the doorbell)``; 0 seconds: spin.
+
+        The backoff moves on as if the pause were taken (a caller that waits its own way, such as the
+        server's event loop, calls :meth:`reset` when it is woken early by work).
+        """
         if self._since is None:
             self._since = now
         idle_for = now - self._since
         if idle_for < self.spin_s:
-            return
+            return 0.0, False
         db = _DOORBELL
         quiet_s = (db.quiet_sleep_s if quiet and not in_flight and db is not None and idle_for >= QUIET_AFTER_S
                    else None)
         s = quiet_s or (min(self._sleep, IN_FLIGHT_SLEEP_S) if in_flight else self._sleep)
         if wake_at is not None:
             s = min(s, max(0.0, wake_at - now))
-        if s > 0:
-            if db is not None and not in_flight and s >= DOORBELL_MIN_SLEEP_S:
-                # the probe after raising the flag catches a message sent just before it went up
-                # (its sender saw no flag and rang nobody)
-                if db.sleep(s, db.probe_header):  # a message is waiting: poll back to back again
-                    self.reset()  # (the next poll takes it; a rung rank must not wait one more sleep)
-                    return
-            else:
-                time.sleep(s)
-        if quiet_s:
-            return  # a quiet sleep leaves the backoff where it was
-        deep = idle_for > self.deep_after_s
-        ceiling = self.deep_sleep_s if deep else self.max_sleep_s
-        if deep and _DOORBELL is not None and _DOORBELL.all_local:
-            # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
-            ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
-        self._sleep = min(self._sleep * 2, ceiling)
+        if not quiet_s:  # a quiet sleep leaves the backoff where it was
+            deep = idle_for > self.deep_after_s
+            ceiling = self.deep_sleep_s if deep else self.max_sleep_s
+            if deep and db is not None and db.all_local:
+                # every sender can ring us: sleep longer (a missed ring, a rare race, costs this much once)
+                ceiling = max(ceiling, DOORBELL_DEEP_SLEEP_S)
+            self._sleep = min(self._sleep * 2, ceiling)
+        return s, s > 0 and db is not None and not in_flight and s >= DOORBELL_MIN_SLEEP_S
 
 
 class Inbox:

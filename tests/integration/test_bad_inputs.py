@@ -68,6 +68,66 @@ def test_pipeline_completes_and_resume_skips(toy_run: Path) -> None:
     assert "stage bench: starting" in out
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_the_pipelines_run_serves_real_clients(toy_run: Path, tmp_path: Path) -> None:
+    """``+experiment=toy stage=serve runtime.mode=server`` in a finished pipeline's run folder serves that
+    run's switchboard and plan: a tritonclient request gets the whole model's outputs; Ctrl-C ends it (0)."""
+    import signal
+
+    import numpy as np
+    import torch
+    import tritonclient.http as th
+
+    from hpcsplit.switchboard.reader import Switchboard
+
+    run = tmp_path / "run"
+    shutil.copytree(toy_run, run)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcsplit", "+experiment=toy", "stage=serve", "runtime.mode=server",
+         "runtime.server_status_s=1", f"hydra.run.dir={run}"],
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the login side says when it is ready (the test's timeout bounds the wait)
+            lines.append(line)
+            if "server ready" in line:
+                break
+        assert (run / "endpoint.json").exists(), "".join(lines)[-3000:]
+        ep = json.loads((run / "endpoint.json").read_text())
+        token = (run / "server.token").read_text().strip()
+        sb = Switchboard.load(run / "switchboard")  # the pipeline's own export
+        assert ep["model"] == sb.model_name
+        xs = [x.numpy() for x in sb.example_inputs(2)]
+        ins = []
+        for t, x in zip(sb.layout.inputs, xs, strict=True):
+            i = th.InferInput(t.name, list(x.shape), {"float32": "FP32", "int64": "INT64"}[str(x.dtype)])
+            i.set_data_from_numpy(x, binary_data=True)
+            ins.append(i)
+        client = th.InferenceServerClient(f"{ep['host']}:{ep['http_port']}")
+        r = client.infer(ep["model"], ins, headers={"Authorization": f"Bearer {token}"})
+        with torch.inference_mode():
+            ref = sb.load_whole()(*(torch.from_numpy(x) for x in xs))
+        for t, want in zip(sb.layout.outputs, ref, strict=True):
+            np.testing.assert_allclose(r.as_numpy(t.name), want.numpy(), atol=1e-5, rtol=1e-4)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        out = "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert "server ready" in out and "the server drained and stopped cleanly" in out, out[-3000:]
+    from hpcsplit.core.paths import RunPaths
+
+    cfg = json.loads((run / "serve.cfg.json").read_text())  # what the ranks read: the run's own plan and switchboard
+    paths = RunPaths.from_config(cfg, run)
+    assert paths.plan == run / "plan.json" and paths.switchboard == run / "switchboard"
+
+
 # ---------------------------------------------------------------------------------- bad switchboards
 
 

@@ -1,6 +1,6 @@
 """Server mode on the dev SLURM: ``slurm/serve.sbatch`` and the submitit path (``launcher=slurm``) start a
 server, a client on the login side finds it through ``endpoint.json`` and gets the whole model's outputs,
-and ``scancel`` drains it (the ranks log the drain and the job's step ends without a failure)."""
+and ``scancel`` (sbatch) or Ctrl-C on the login side (submitit) drains it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -101,8 +102,10 @@ def test_serve_sbatch_endpoint_and_scancel(tmp_path: Path, switchboards: Callabl
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_submitit_server_prints_endpoint_and_scancel_drains(tmp_path: Path,
-                                                            switchboards: Callable[..., Path]) -> None:
+def test_submitit_server_prints_endpoint_and_ctrl_c_drains(tmp_path: Path,
+                                                           switchboards: Callable[..., Path]) -> None:
+    """launcher=slurm: the login side prints the endpoint; Ctrl-C there drains the job (SIGTERM to its steps),
+    which ends COMPLETED, and the login process exits 0 as a local server's does."""
     run, sb, _ = _run_folder(tmp_path, switchboards)
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpcsplit", "stage=serve", "runtime.mode=server", "launcher=slurm", "cluster=dev",
@@ -125,15 +128,21 @@ def test_submitit_server_prints_endpoint_and_scancel_drains(tmp_path: Path,
         ep = json.loads((run / "endpoint.json").read_text())
         _check_outputs(ep, sb)
         assert job is not None, out[-3000:]
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=180)
+        lines.append(rest or "")
     finally:
-        if job is not None:
-            subprocess.run(["scancel", job], check=False)
-        try:
-            rest, _ = proc.communicate(timeout=180)
-            lines.append(rest or "")
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
+        if job is not None and proc.returncode != 0:
+            subprocess.run(["scancel", job], check=False)
     assert job is not None
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert "the server drained and stopped cleanly" in out and "interrupted" not in out, out[-3000:]
     _job_gone(job)
+    state = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State"], capture_output=True, text=True,
+                           check=False).stdout
+    assert "COMPLETED" in state, state
     logs = "".join(p.read_text(errors="replace") for p in (run / "slurm").glob(f"{job}_*"))
     assert "server: stopped after 1 request(s)" in logs, ("".join(lines) + logs)[-4000:]

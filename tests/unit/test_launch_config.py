@@ -314,6 +314,55 @@ def test_wait_timeout_cancels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert cancelled == ["42"]
 
 
+def _ctrl_c_then(*seq: _slurm.JobStatus):
+    """A status function whose second poll is interrupted by Ctrl-C, then goes on with ``seq``."""
+    calls = [0]
+    rest = _states(*seq)
+
+    def fn(job_id: str) -> _slurm.JobStatus:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return rest(job_id)
+
+    return fn
+
+
+def test_ctrl_c_cancels_a_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cancelled: list[str] = []
+    monkeypatch.setattr(_slurm, "_scancel", cancelled.append)
+    with pytest.raises(KeyboardInterrupt):
+        _slurm.wait_for_job(_job(tmp_path), poll_s=0.01, echo=lambda s: None,
+                            status_fn=_ctrl_c_then(_slurm.JobStatus("RUNNING", source="squeue")))
+    assert cancelled == ["42"]
+
+
+def test_ctrl_c_drains_a_server_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server job is signalled (SIGTERM to its steps, not cancelled) and its result returned once it ended;
+    one that does not end within drain_s is cancelled and the interrupt raised."""
+    ran: list[list[str]] = []
+    cancelled: list[str] = []
+    monkeypatch.setattr(_slurm, "_run", lambda cmd: ran.append(cmd) or "")
+    monkeypatch.setattr(_slurm, "_scancel", cancelled.append)
+    (tmp_path / "probe.mpi_main.result.json").write_text('{"server": {"ok": 3}}')
+    lines: list[str] = []
+    out = _slurm.wait_for_job(
+        _job(tmp_path), poll_s=0.01, echo=lines.append, drain_s=30.0,
+        status_fn=_ctrl_c_then(_slurm.JobStatus("RUNNING", source="squeue"),
+                               _slurm.JobStatus("COMPLETED", "0:0", source="sacct")))
+    assert out == {"server": {"ok": 3}}
+    assert ran == [["scancel", "--signal=TERM", "42"]] and cancelled == []
+    assert any("drained and stopped cleanly" in x for x in lines)
+    monkeypatch.setattr(_slurm.time, "sleep", lambda s: None)
+    with pytest.raises(KeyboardInterrupt):
+        _slurm.wait_for_job(_job(tmp_path), poll_s=0.01, echo=lambda s: None, drain_s=0.05,
+                            status_fn=_ctrl_c_then(_slurm.JobStatus("RUNNING", source="squeue")))
+    assert cancelled == ["42"]
+    assert _slurm._server_drain_s("serve", {"runtime": {"mode": "server", "server_drain_s": 5}}) == 65.0
+    assert _slurm._server_drain_s("serve", {"runtime": {"mode": "batch"}}) is None
+    assert _slurm._server_drain_s("bench", {"runtime": {"mode": "server"}}) is None
+
+
 def test_submit_without_sbatch_is_a_launch_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg_of: Cfg
 ) -> None:

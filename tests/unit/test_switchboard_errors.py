@@ -164,3 +164,22 @@ def test_export_never_replaces_a_foreign_directory(tmp_path: Path) -> None:
         )
     assert (keep / "precious.txt").read_text() == "x"
     assert [p.name for p in tmp_path.iterdir()] == ["data"]  # the temporary folder is gone too
+
+
+def test_programs_check_their_inputs_against_the_layout(exported: Path) -> None:
+    """[Note: program calls]: programs run without torch.export's hooks, so the layout's check stands in:
+    count, dtype, rank, fixed dims and one batch size >= 1; right inputs at any batch size still run."""
+    sb = Switchboard.load(exported)
+    stem = sb.load_component("stem")
+    (x,) = sb.component_example_inputs(3)["stem"]
+    with torch.inference_mode():
+        assert stem(x)[0].shape[0] == 3 and stem(x[:1])[0].shape[0] == 1
+        for bad, why in ((x.double(), "float64"), (x[:, :-1], r"\(3, 7\)"), (x[0], r"\(8,\)"), (x[:0], r"\(0, 8\)")):
+            with pytest.raises(ValueError, match=rf"component 'stem': input 'x' is .*{why}.*takes torch.float32"):
+                stem(bad)
+        with pytest.raises(ValueError, match=r"takes 1 input\(s\), got 2"):
+            stem(x, x)
+        whole = sb.load_whole()
+        with pytest.raises(ValueError, match=r"the whole model: input 'x'"):
+            whole(x.int())
+        assert whole(x)[0].shape[0] == 3

@@ -1,12 +1,11 @@
-"""The hand-over between the servers (an asyncio thread) and the frontend loop (the rank's main thread).
+"""The hand-over between the servers' handlers and the frontend loop (one event loop, ``[Note: server mode]``).
 
 A checked request becomes a :class:`Ticket` and goes into a bounded :class:`queue.Queue`
 (``runtime.server_queue``): when it is full the server answers 503 / UNAVAILABLE at once, so memory
 stays bounded however fast clients send.  The frontend loop takes tickets, feeds their samples into
-the pipeline and resolves each ticket's asyncio future from its own thread
-(``loop.call_soon_threadsafe``).  After putting a ticket the server wakes the frontend rank if it sleeps
-on its doorbell (``[Note: doorbell]`` in :mod:`hpcsplit.runtime.doorbell`), so an idle server adds no
-sleep to a request.
+the pipeline and resolves each ticket's asyncio future (directly on the loop's own thread, through
+``loop.call_soon_threadsafe`` from any other).  After putting a ticket the hub calls ``on_submit``, which
+ends the frontend loop's pause, so an idle server adds no sleep to a request.
 
 The hub also keeps the counters behind ``/v2/models/<m>/stats`` and the Prometheus metrics
 (``/metrics``), and the ready / draining state.
@@ -17,10 +16,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import queue
-import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +26,6 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime.server.protocol import InferRequest, ModelSpec, RequestRejected
 
 __all__ = ["Hub", "Ticket"]
@@ -57,6 +54,13 @@ class Ticket:
                 else:
                     self.future.set_result(result)
 
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:  # the frontend loop runs on the servers' event loop: no hand-over
+            _set()
+            return
         try:
             self.loop.call_soon_threadsafe(_set)
         except RuntimeError:  # the loop closed (shutdown): nobody waits any more
@@ -103,8 +107,7 @@ class Hub:
         # (component, rank) -> [batches, samples, compute us, largest batch, failed rows], sent by the ranks
         self.components: dict[tuple[str, int], list[int]] = {}
         r.register(_ComponentCollector(self))
-        self._wake_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._wake_sock.setblocking(False)
+        self.on_submit: Callable[[], None] | None = None  # wakes the frontend loop when it pauses
 
     # ------------------------------------------------------------------ state
     def is_ready(self) -> bool:
@@ -133,17 +136,9 @@ class Hub:
                                   "runtime.server_queue); retry later", 503, "UNAVAILABLE")
             err.counted = True
             raise err from None
-        self._wake()
+        if self.on_submit is not None:
+            self.on_submit()
         return t
-
-    def _wake(self) -> None:
-        db = mb._DOORBELL  # the frontend rank's doorbell, if the runtime installed one
-        if db is None:
-            return
-        try:
-            self._wake_sock.sendto(b"\x01", db._prefix + str(db.rank))
-        except OSError:  # its buffer is full: it is being woken anyway
-            pass
 
     def count(self, t: Ticket | None, outcome: str, protocol: str | None = None) -> None:
         """One answered request (``ok``, ``error``, ``busy``, ``timeout``, ``rejected``) into the metrics."""
@@ -207,9 +202,6 @@ class Hub:
         ignored."""
         if len(values) == 5 and all(isinstance(v, int) and v >= 0 for v in values):
             self.components[(name, int(rank))] = list(values)
-
-    def close(self) -> None:
-        self._wake_sock.close()
 
 
 class _ComponentCollector:

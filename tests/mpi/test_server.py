@@ -334,6 +334,7 @@ def test_sigterm_drains_and_exits_0(toy: Server, toy_sb: Path) -> None:
     assert toy.stop() == 0, toy.log.read_text()[-3000:]
     text = toy.log.read_text()
     assert "not ready, refusing new requests" in text and "server: stopped after" in text
+    assert "Traceback" not in text and "Exception in callback" not in text, text[-3000:]  # the whole life of the server
     assert not (toy.run / "endpoint.json").exists()
 
 

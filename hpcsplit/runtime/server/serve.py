@@ -339,6 +339,11 @@ class ServeLoop:
         return backoff.plan(t_idle, wake, bool(fe.inbox.pending) or fe.outbox.in_flight(t_idle), quiet=quiet)
 
 
+def _settle(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
 class _Waker:
     """The event loop's idle pauses: they end at their timeout, when a request is submitted (:meth:`kick`,
     from a handler on this loop), or when a rank rings this one's doorbell (its sockets are readers of
@@ -356,9 +361,8 @@ class _Waker:
         self.kick()
 
     def kick(self) -> None:
-        fut = self._fut
-        if fut is not None and not fut.done():
-            fut.set_result(True)
+        if self._fut is not None:
+            _settle(self._fut, True)
 
     async def pause(self, seconds: float, on_bell: bool) -> bool:
         """Wait up to ``seconds``; True when woken early (work may be waiting)."""
@@ -367,7 +371,8 @@ class _Waker:
             return True
         fut = self.loop.create_future()
         self._fut = fut
-        timer = self.loop.call_later(seconds, fut.set_result, False) if seconds > 0 else None
+        # the timer may fire in the loop turn after a kick settled the future, before this task resumes
+        timer = self.loop.call_later(seconds, _settle, fut, False) if seconds > 0 else None
         try:
             return await fut if timer is not None else False
         finally:

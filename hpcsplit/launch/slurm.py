@@ -509,6 +509,16 @@ def wait_for_job(
             status = status_fn(job.job_id)
             if status.state == "RUNNING" and run_t0 is None:
                 run_t0 = now
+            if status.state == "PENDING" and run_t0 is not None:
+                # it ran and is pending again: requeued.  After a preemption (or its own script's requeue) its
+                # nodes are fine and it runs again; after a node failure it would wait for that node: end it
+                lost = node_report(job.job_id, job.counts)
+                if lost:
+                    _scancel(job.job_id)
+                    raise LaunchError(
+                        f"SLURM job {job.job_id} ({job.stage}) lost a node and SLURM requeued it (NODE_FAIL): "
+                        + "; ".join(lost) + f". Cancelled it instead of waiting for the node. What was finished is "
+                        f"kept in the run folder; run the same command again to go on from there. Logs: {job.folder}")
             shown = status.state + (
                 f" ({status.reason})" if status.reason and status.state == "PENDING" else ""
             )

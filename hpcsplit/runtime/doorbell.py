@@ -255,9 +255,9 @@ class Doorbell:
     def disarm(self) -> None:
         self.flags[self._me] = 0
 
-    def rung(self) -> None:
-        """A wait on :attr:`sockets` ended by a ring: count it and empty the sockets."""
-        self.wakeups += 1
+    def rung(self, woke: bool = True) -> None:
+        """A ring read from :attr:`sockets`: empty them, and count a wake-up if it ended a wait (``woke``)."""
+        self.wakeups += int(woke)
         self._drain()
 
     @property

@@ -363,6 +363,24 @@ def test_ctrl_c_drains_a_server_job(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert _slurm._server_drain_s("bench", {"runtime": {"mode": "server"}}) is None
 
 
+def test_a_job_requeued_after_a_node_failure_is_cancelled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pending again after it ran: with a node down (NODE_FAIL) it is cancelled and named; with its nodes fine
+    (a preemption) the wait goes on until it completes."""
+    cancelled: list[str] = []
+    monkeypatch.setattr(_slurm, "_scancel", cancelled.append)
+    seq = (_slurm.JobStatus("RUNNING", source="squeue"), _slurm.JobStatus("PENDING", reason="BeginTime", source="squeue"),
+           _slurm.JobStatus("RUNNING", source="squeue"), _slurm.JobStatus("COMPLETED", "0:0", source="sacct"))
+    down = ["node node2 (node 1 of the job, rank 2) is DOWN* (Not responding)"]
+    monkeypatch.setattr(_slurm, "node_report", lambda job_id, counts=(): down)
+    with pytest.raises(LaunchError, match=r"NODE_FAIL.*node node2 \(node 1 of the job, rank 2\) is DOWN"):
+        _slurm.wait_for_job(_job(tmp_path), poll_s=0.01, echo=lambda s: None, status_fn=_states(*seq))
+    assert cancelled == ["42"]
+    monkeypatch.setattr(_slurm, "node_report", lambda job_id, counts=(): [])
+    (tmp_path / "probe.mpi_main.result.json").write_text("[1]")
+    assert _slurm.wait_for_job(_job(tmp_path), poll_s=0.01, echo=lambda s: None, status_fn=_states(*seq)) == [1]
+    assert cancelled == ["42"]
+
+
 def test_submit_without_sbatch_is_a_launch_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cfg_of: Cfg
 ) -> None:

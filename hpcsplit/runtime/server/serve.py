@@ -356,8 +356,9 @@ class _Waker:
         for fd in self._fds:
             loop.add_reader(fd, self._on_ring)
 
-    def _on_ring(self) -> None:
-        self.db.rung()
+    def _on_ring(self) -> None:  # also while busy: UDP rings from other nodes come whether or not we wait
+        fut = self._fut
+        self.db.rung(woke=fut is not None and not fut.done())
         self.kick()
 
     def kick(self) -> None:

@@ -373,13 +373,12 @@ class _Waker:
         fut = self.loop.create_future()
         self._fut = fut
         # the timer may fire in the loop turn after a kick settled the future, before this task resumes
-        timer = self.loop.call_later(seconds, _settle, fut, False) if seconds > 0 else None
+        timer = self.loop.call_later(seconds, _settle, fut, False)
         try:
-            return await fut if timer is not None else False
+            return await fut
         finally:
             self._fut = None
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
             if db is not None:
                 db.disarm()
 

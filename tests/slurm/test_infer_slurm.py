@@ -44,29 +44,46 @@ def _check_resumed(run: Path, sb: Any, x: np.ndarray, out: Path, what: str) -> N
         np.testing.assert_allclose(f["output"][()], ref, rtol=1e-4, atol=1e-5)
 
 
-def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
+def _release(job: str) -> None:
+    """Start a requeued job now instead of after SLURM's hold (~2 minutes, BeginTime).
+
+    Not in the same second as the first run ended: slurmd revokes the job's credential when it ends, and
+    refuses a launch whose credential is not newer than that, by whole seconds ("Killing non-startable
+    batch JobId=N: Job credential revoked", the job then FAILED at once).  The hold exists for this.
+    """
+    time.sleep(2.0)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+
+
+def _requeue_case(tmp_path: Path, switchboards: Callable[..., Path], seed: int,
+                  batch: int) -> tuple[Path, Any, Path, int, np.ndarray]:
+    """The toy switchboard (linked into a run folder), its plan (``batch`` per rank) and ``N`` random rows in
+    ``tmp_path/in.h5``: ``(switchboard dir, switchboard, run folder, world size, rows)``."""
     h5py = pytest.importorskip("h5py")
     pytest.importorskip("torch")
-    from hpcsplit.core.plan import Plan, RankEntry
     from hpcsplit.switchboard.reader import Switchboard
+    from tests.mpi.test_serve import _plan
 
     sb_dir = switchboards("toy_mlp", stages=2, max_branches=2)
     sb = Switchboard.load(sb_dir)
     run = tmp_path / "run"
     run.mkdir()
     (run / "switchboard").symlink_to(sb_dir)
-    ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
-    ranks += [RankEntry(k + 1, "component", 0, None, None, 1, c, 32, 0) for k, c in enumerate(sb.order)]
-    Plan(sb.model_name, sb.sha256, "cpu", 1, tuple(ranks), dict.fromkeys(sb.order, 0.0), {}).save(run / "plan.json")
+    world = _plan(sb_dir, run / "plan.json", batch=batch)
     (spec,) = sb.layout.inputs
-    x = np.random.default_rng(3).standard_normal((N, *spec.shape[1:])).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((N, *spec.shape[1:])).astype(np.float32)
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f.create_dataset(spec.name, data=x, chunks=(4096, x.shape[1]))
+    return sb_dir, sb, run, world, x
+
+
+def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
+    _, sb, run, world, x = _requeue_case(tmp_path, switchboards, seed=3, batch=32)
     log = run / "job.out"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HPCSPLIT_PYTHON=sys.executable,
                HPCSPLIT_ROOT=str(REPO))
     sub = subprocess.run(
-        ["sbatch", "--parsable", f"--ntasks={len(ranks)}", "--time=10", f"--output={log}", str(REPO / "slurm/infer.sbatch"),
+        ["sbatch", "--parsable", f"--ntasks={world}", "--time=10", f"--output={log}", str(REPO / "slurm/infer.sbatch"),
          str(run), f"runtime.input_path={tmp_path / 'in.h5'}", f"runtime.output_path={tmp_path / 'out.h5'}",
          "runtime.progress_s=1", "runtime.max_inflight=256", "runtime.chunk_rows=8192"],
         cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=60)
@@ -91,8 +108,7 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
             state = _job_state(int(job))
             text = log.read_text() if log.exists() else ""
             if state == "PENDING" and "requeueing job" in text and not released:
-                # SLURM holds a requeued job ~2 minutes (BeginTime); let it start now
-                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+                _release(job)
                 released = True
             if state in FINISHED and "restart 1" in text:
                 break
@@ -117,20 +133,7 @@ def test_submitit_batch_job_usr2_requeues_and_continues(tmp_path: Path, switchbo
     the requeued job serves only the rows not done."""
     import re
 
-    h5py = pytest.importorskip("h5py")
-    pytest.importorskip("torch")
-    from hpcsplit.switchboard.reader import Switchboard
-    from tests.mpi.test_serve import _plan
-
-    sb_dir = switchboards("toy_mlp", stages=2, max_branches=2)
-    sb = Switchboard.load(sb_dir)
-    run = tmp_path / "run"
-    run.mkdir()
-    _plan(sb_dir, run / "plan.json")
-    (spec,) = sb.layout.inputs
-    x = np.random.default_rng(4).standard_normal((N, *spec.shape[1:])).astype(np.float32)
-    with h5py.File(tmp_path / "in.h5", "w") as f:
-        f.create_dataset(spec.name, data=x, chunks=(4096, x.shape[1]))
+    sb_dir, sb, run, _, x = _requeue_case(tmp_path, switchboards, seed=4, batch=4)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpcsplit", "stage=serve", "runtime.mode=batch", "launcher=slurm", "cluster=dev",
@@ -155,8 +158,7 @@ def test_submitit_batch_job_usr2_requeues_and_continues(tmp_path: Path, switchbo
         released = False
         while time.monotonic() < deadline and proc.poll() is None:
             if not released and _job_state(int(job)) == "PENDING":
-                # SLURM holds a requeued job ~2 minutes (BeginTime); let it start now
-                subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+                _release(job)
                 released = True
             time.sleep(1)
         out, _ = proc.communicate(timeout=120)

@@ -308,17 +308,31 @@ def parse_layout(data: bytes, path: Path) -> Layout:
 
 
 def _check_wiring(path: Path, layout: Layout) -> None:
-    available = {t.name for t in layout.inputs}
+    available = {t.name: t for t in layout.inputs}
     for c in layout.components:
         missing = [t.name for t in c.inputs if t.name not in available]
         if missing:
             raise SwitchboardError(
                 f"{path} is malformed: component {c.name!r} reads {missing} before anything produces them"
             )
-        available.update(t.name for t in c.outputs)
+        for t in c.inputs:
+            made = available[t.name]
+            if (t.dtype, tuple(t.shape)) != (made.dtype, tuple(made.shape)):
+                raise SwitchboardError(
+                    f"{path} is malformed: component {c.name!r} reads {t.name!r} as {t.dtype} {list(t.shape)}, "
+                    f"but it is made as {made.dtype} {list(made.shape)}; re-run the export"
+                )
+        available.update((t.name, t) for t in c.outputs)
     missing = [v for v in layout.output_values if v not in available]
     if missing:
         raise SwitchboardError(f"{path} is malformed: outputs {missing} are produced by no component")
+    for t, v in zip(layout.outputs, layout.output_values, strict=False):
+        made = available[v]
+        if (t.dtype, tuple(t.shape)) != (made.dtype, tuple(made.shape)):
+            raise SwitchboardError(
+                f"{path} is malformed: output {t.name!r} is {t.dtype} {list(t.shape)}, but {v!r} is made as "
+                f"{made.dtype} {list(made.shape)}; re-run the export"
+            )
 
 
 # [Note: switchboard paths] Every file layout.json names (programs, whole, golden) is a relative

@@ -110,12 +110,7 @@ class Switchboard:
         if key not in self._loaded:
             spec = self.components[name]
             ep = self._load_program(spec, f"program of component {name!r}")
-            n_in = sum(1 for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT")
-            if n_in != len(spec.inputs):
-                raise SwitchboardError(
-                    f"program {spec.program!r} takes {n_in} inputs; layout.json records "
-                    f"{len(spec.inputs)} for {name!r}; the file belongs to another export; re-run the export"
-                )
+            _match_program(ep, spec.inputs, spec.outputs, f"component {name!r}", spec.program)
             mod = _on_device(ep, device).module()
             check = _input_check(spec.inputs, f"component {name!r}")
 
@@ -143,6 +138,7 @@ class Switchboard:
     def load_whole(self, device: str | torch.device | None = None) -> Callable[..., tuple[torch.Tensor, ...]]:
         """The unsplit model: flat inputs (model input order) -> flat outputs (model output order)."""
         ep = self._load_program(self.layout.whole, "whole-model program")
+        _match_program(ep, self.layout.inputs, self.layout.outputs, "the whole model", self.layout.whole.file)
         forward = _on_device(ep, device).module().forward
         in_spec = self._in_spec
         check = _input_check(self.layout.inputs, "the whole model")
@@ -224,12 +220,18 @@ class Switchboard:
         """
         t0 = time.perf_counter()
         bs = batch_size or self.golden_batch_size
-        got = self.run_flat(self.example_inputs(bs))
-        if bs == self.golden_batch_size:
-            ref, what = self.golden_outputs(), "golden"
-        else:
-            with torch.no_grad():
-                ref, what = self.load_whole()(*self.example_inputs(bs)), "whole"
+        try:
+            got = self.run_flat(self.example_inputs(bs))
+            if bs == self.golden_batch_size:
+                ref, what = self.golden_outputs(), "golden"
+            else:
+                with torch.no_grad():
+                    ref, what = self.load_whole()(*self.example_inputs(bs)), "whole"
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise VerificationError(
+                f"switchboard {self.path}: its programs fail on the inputs its layout describes at batch {bs} "
+                f"({type(e).__name__}: {str(e)[:300]}); re-run the export"
+            ) from e
         cmp = compare_outputs(got, ref, atol, rtol)
         max_abs, max_rel = cmp.max_abs_diff, cmp.max_rel_diff
         rep = VerifyReport(bs, max_abs, max_rel, atol, rtol, cmp.passed, what, time.perf_counter() - t0)
@@ -322,6 +324,42 @@ def _input_check(specs: Sequence[L.TensorSpec], what: str) -> Callable[[Sequence
                                  "(one batch size >= 1 in every 'batch' dim)")
 
     return check
+
+
+def _match_program(ep: Any, inputs: Sequence[L.TensorSpec], outputs: Sequence[L.TensorSpec], what: str,
+                   rel: str) -> None:
+    """Refuse a program whose own inputs and outputs are not what layout.json says.
+
+    The check before each call (``_input_check``) is built from the layout, so the layout must agree
+    with the program: as many inputs and outputs, each input of the same dtype, rank and fixed dims,
+    with a symbolic dim exactly where the layout has ``batch``.  A layout edited after the export fails
+    here, at load, and not inside the program.
+    """
+    sig = ep.graph_signature
+    n_in = sum(1 for s in sig.input_specs if s.kind.name == "USER_INPUT")
+    n_out = sum(1 for s in sig.output_specs if s.kind.name == "USER_OUTPUT")
+    if (n_in, n_out) != (len(inputs), len(outputs)):
+        raise SwitchboardError(
+            f"program {rel!r} of {what} takes {n_in} input(s) and gives {n_out} output(s); layout.json records "
+            f"{len(inputs)} and {len(outputs)}; the file belongs to another export; re-run the export"
+        )
+    vals = []
+    for s in ep.graph_signature.input_specs:
+        if s.kind.name != "USER_INPUT":
+            continue
+        node = next((n for n in ep.graph.nodes if n.op == "placeholder" and n.name == s.arg.name), None)
+        vals.append(None if node is None else node.meta.get("val"))
+    for spec, v in zip(inputs, vals, strict=False):
+        if not isinstance(v, torch.Tensor):
+            raise SwitchboardError(f"program {rel!r} of {what} records no tensor for input {spec.name!r}; "
+                                   "the file was not written by torch.export; re-run the export")
+        shape = ["batch" if isinstance(d, torch.SymInt) else int(d) for d in v.shape]
+        dt = str(v.dtype).removeprefix("torch.")
+        if dt != spec.dtype or shape != list(spec.shape):
+            raise SwitchboardError(
+                f"layout.json says {what} takes input {spec.name!r} as {spec.dtype} {list(spec.shape)}, but its "
+                f"program {rel!r} takes {dt} {shape}; the layout was edited or belongs to another export; "
+                "re-run the export")
 
 
 def _on_device(ep: Any, device: str | torch.device | None) -> Any:

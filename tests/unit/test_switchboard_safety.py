@@ -340,6 +340,36 @@ def test_golden_and_whole_paths_are_checked(sb_copy: Path, entry: str) -> None:
     assert str(Path("/etc/passwd").stat().st_size) not in str(info.value).split("refused")[1]
 
 
+def test_a_tensor_read_otherwise_than_it_is_made_is_refused_at_load(sb_copy: Path) -> None:
+    """Found by the mutation test below: a consumer's input shape edited to [] loaded, then failed in a call."""
+    d = json.loads((sb_copy / "layout.json").read_text())
+    reader = next(c for c in d["components"] if c["inputs"][0]["name"] != d["inputs"][0]["name"])
+    reader["inputs"][0]["shape"] = []
+    (sb_copy / "layout.json").write_text(json.dumps(d))
+    with pytest.raises(SwitchboardError, match=rf"component '{reader['name']}' reads .* as float32 \[\], but it "
+                                               r"is made as float32 \['batch', \d+\]"):
+        Switchboard.load(sb_copy)
+
+
+def test_a_layout_edited_consistently_is_refused_by_the_program(sb_copy: Path) -> None:
+    """Producer and consumer both edited: the layout is coherent, but not what the programs take."""
+    d = json.loads((sb_copy / "layout.json").read_text())
+    value = d["components"][0]["outputs"][0]["name"]
+    for c in d["components"]:
+        for t in c["inputs"] + c["outputs"]:
+            if t["name"] == value:
+                t["shape"] = ["batch", 3]
+    (sb_copy / "layout.json").write_text(json.dumps(d))
+    sb = Switchboard.load(sb_copy)
+    reader = next(c["name"] for c in d["components"] if any(t["name"] == value for t in c["inputs"]))
+    with pytest.raises(SwitchboardError, match=rf"layout\.json says component '{reader}' takes input '{value}' as "
+                                               r"float32 \['batch', 3\], but its program .* takes float32 "
+                                               r"\['batch', \d+\]"):
+        sb.load_component(reader)
+    with pytest.raises(SwitchboardError):
+        sb.verify()
+
+
 def test_size_and_hash_errors_reveal_no_hash(sb_copy: Path) -> None:
     prog = sb_copy / "programs" / "left.pt2"
     data = bytearray(prog.read_bytes())

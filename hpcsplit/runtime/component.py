@@ -82,6 +82,7 @@ def serve_component(
     abort_grace_s: float = 3.0,
     idle_sleep_s: float = 2e-3,
     row_errors: bool = False,
+    spin_s: float = mb.SPIN_S,
     stats_every_s: float | None = None,
 ) -> dict[str, Any]:
     """Serve component ``name`` on this rank until the frontend sends STOP; return counters.
@@ -108,7 +109,7 @@ def serve_component(
     batcher = Batcher(batch_size, max_wait_s)
     inbox = mb.Inbox(comm, device)
     outbox = mb.Outbox()
-    backoff = mb.Backoff(deep_sleep_s=idle_sleep_s)
+    backoff = mb.Backoff(spin_s=spin_s, deep_sleep_s=idle_sleep_s)
     stats: dict[str, Any] = {"rank": rank, "component": name, "batches": 0, "requests": 0, "compute_s": 0.0,
                              "expired": 0, "max_batch": 0, "row_errors": 0}
     # (wall-clock end, ms) of every batch of one request: the bench compares a level's with the profile
@@ -389,7 +390,8 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s)
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), rt.max_wait_ms / 1e3,
                              rt.request_timeout_s, tracer, ctx.device, rt.abort_grace_s, rt.idle_sleep_ms / 1e3,
-                             row_errors=rt.mode == "batch", stats_every_s=1.0 if rt.mode == "server" else None)
+                             row_errors=rt.mode == "batch", stats_every_s=1.0 if rt.mode == "server" else None,
+                             spin_s=mb.spin_after_work_s(rt.spin_us, rt.mode, ctx.threads.local_ranks))
         st["variant"] = vname
         if floor:
             st["floor_samples_ms"] = floor

@@ -102,9 +102,9 @@ class Frontend:
     """Rank 0's side of serving a :class:`Dataflow` (see the module docstring)."""
 
     def __init__(self, comm: Any, dataflow: Dataflow, tracer: Tracer | None = None,
-                 idle_sleep_s: float = 2e-3) -> None:
+                 idle_sleep_s: float = 2e-3, spin_s: float = mb.SPIN_S) -> None:
         self.comm = comm
-        self.idle_sleep_s = idle_sleep_s
+        self.idle_sleep_s, self.spin_s = idle_sleep_s, spin_s
         self.df = dataflow
         self.router = Router(dataflow)
         self.tracer = tracer or Tracer(comm.Get_rank(), None, None)
@@ -174,7 +174,7 @@ class Frontend:
         start = admit_s if admission else arrivals  # a request's deadline counts from here
         self.stalled = False
         last_out = 0.0  # session time of the last output received
-        backoff = mb.Backoff(deep_sleep_s=self.idle_sleep_s)
+        backoff = mb.Backoff(spin_s=self.spin_s, deep_sleep_s=self.idle_sleep_s)
         t0 = time.perf_counter()
         next_i = 0
         resolved = 0

@@ -5,6 +5,7 @@ Used by the frontend and the component loop; built on :mod:`transport`.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import Any
@@ -16,6 +17,8 @@ from hpcsplit.runtime.transport import Message, RecvHandle, SendHandle, poll_mes
 __all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell", "ring"]
 
 IN_FLIGHT_SLEEP_S = 50e-6
+SPIN_S = 50e-6  # a rank polls back to back this long after work before it backs off (runtime.spin_us)
+SERVER_SPIN_S = 2e-3  # ... in server mode, when the node has a core for each of the job's ranks on it
 DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, no select)
 DOORBELL_DEEP_SLEEP_S = 10e-3  # deep backoff sleep when every rank of the job is on this node (all can ring)
 DOORBELL_QUIET_SLEEP_S = 100e-3  # quiet sleep when every rank of the job is on this node (all ring via flags)
@@ -37,6 +40,36 @@ def ring(dest: int) -> None:
         _DOORBELL.ring(dest)
 
 
+def spin_after_work_s(spin_us: float | None, mode: str | None, local_ranks: int,
+                      cores: int | None = None) -> float:
+    """How long a rank polls back to back after work before it backs off (``runtime.spin_us``; null: this).
+
+    [Note: spin after work]
+    A rank that found no work spins ``SPIN_S`` (50 us), then sleeps 20 us doubling, and from 100 us on
+    sleeps on the doorbell until a sender rings.  In batch and bench mode that is right: the next message
+    is either near (a stream) or far, and a spinning rank takes a core from ranks that compute.  A server
+    answering clients one request at a time is the other case: the client's next request comes a few
+    hundred microseconds after its answer, when every rank has just gone to sleep, and each wake-up from
+    a sleep costs this 2-core VM 100-300 us (the woken rank also runs its first calls cold: a Linear(8, 8)
+    took 113 us after a sleep and 43 us hot).  So in server mode, when this node has a core for each of
+    the job's ranks on it, a rank spins ``SERVER_SPIN_S`` (2 ms) after work; with more ranks than cores
+    (a split CLIP on 2 cores) spinning would take the cores the components compute on, and it stays 50 us.
+    ``python -m hpcsplit.bench server`` measured the trivial model's p50 at concurrency 1 at 0.88-0.95 ms
+    with it and 1.19-1.24 ms without; a quiet server still sleeps (it spins only after work).
+
+    Examples
+    --------
+    >>> spin_after_work_s(None, "batch", 2, cores=2), spin_after_work_s(None, "server", 2, cores=2)
+    (5e-05, 0.002)
+    >>> spin_after_work_s(None, "server", 5, cores=2), spin_after_work_s(0, "server", 2, cores=2)
+    (5e-05, 0.0)
+    """
+    if spin_us is not None:
+        return spin_us / 1e6
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return SERVER_SPIN_S if mode == "server" and local_ranks <= cores else SPIN_S
+
+
 class Backoff:
     """Idle policy of a rank loop: spin ``spin_s``, then sleep 20 us doubling to ``max_sleep_s``; after
     ``deep_after_s`` without work the ceiling becomes ``deep_sleep_s``.
@@ -51,7 +84,7 @@ class Backoff:
 
     __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
 
-    def __init__(self, spin_s: float = 50e-6, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
+    def __init__(self, spin_s: float = SPIN_S, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
                  deep_after_s: float = 0.05) -> None:
         self.spin_s, self.max_sleep_s = spin_s, max_sleep_s
         self.deep_sleep_s, self.deep_after_s = max(deep_sleep_s, max_sleep_s), deep_after_s

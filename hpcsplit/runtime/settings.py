@@ -108,6 +108,7 @@ class RuntimeSettings:
     abort_grace_s: float
     fault: FaultSettings | None
     idle_sleep_ms: float
+    spin_us: float | None  # polls back to back this long after work (None: by mode, mailbox.spin_after_work_s)
     doorbell: bool | Literal["local"]
     doorbell_network: str | None
     stop_grace_s: float
@@ -128,7 +129,7 @@ class RuntimeSettings:
     server_model: Literal["split", "whole"]
 
     _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
-                           "doorbell_network", "chunk_rows", "max_failures",
+                           "doorbell_network", "chunk_rows", "max_failures", "spin_us",
                            "server_host"})
 
     @classmethod
@@ -189,6 +190,7 @@ class RuntimeSettings:
             abort_grace_s=c.number("abort_grace_s", lo=0),
             fault=FaultSettings.from_mapping(c.get("fault"), c),
             idle_sleep_ms=c.number("idle_sleep_ms", lo=0),
+            spin_us=c.number("spin_us", lo=0, hi=1e6, none=True),
             doorbell=doorbell,
             doorbell_network=net,
             stop_grace_s=c.number("stop_grace_s", lo=0),

@@ -38,6 +38,7 @@ class ThreadChoice:
     omp_wait_policy: str | None
     wait_policy_source: str
     torch_was_imported: bool = False
+    local_ranks: int = 1  # ranks of the job on this node
 
     def describe(self) -> str:
         s = (f"threads={self.threads} ({self.source}), OMP_WAIT_POLICY={self.omp_wait_policy} "
@@ -121,7 +122,7 @@ def configure_rank(
         policy, psrc = omp_wait_policy, "runtime.omp_wait_policy"
         if policy:
             env["OMP_WAIT_POLICY"] = policy = str(policy).upper()
-    return ThreadChoice(n, source, policy, psrc, "torch" in sys.modules)
+    return ThreadChoice(n, source, policy, psrc, "torch" in sys.modules, max(1, int(local_ranks)))
 
 
 def cpu_seconds() -> float:

@@ -131,7 +131,8 @@ def make_handler(hub: Hub, timeout_s: float, version: str) -> grpc.GenericRpcHan
         req = decode(r)
         ticket = hub.submit(req, "grpc")
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(ticket.future), timeout_s)
+            async with asyncio.timeout(timeout_s):  # cancels the ticket's future only: the loop skips it
+                outputs = await ticket.future
         except TimeoutError:
             raise RequestRejected(f"no answer within {timeout_s:g} s", 504, "DEADLINE_EXCEEDED") from None
         resp = pb.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=req.id)

@@ -98,7 +98,8 @@ def make_app(hub: Hub, max_body: int, timeout_s: float, version: str) -> web.App
         req = decode_http(spec, body, header_len)
         ticket = hub.submit(req, "http")
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(ticket.future), timeout_s)
+            async with asyncio.timeout(timeout_s):  # cancels the ticket's future only: the loop skips it
+                outputs = await ticket.future
         except TimeoutError:
             raise RequestRejected(f"no answer within {timeout_s:g} s", 504, "DEADLINE_EXCEEDED") from None
         data, n = encode_http(spec, req, outputs)

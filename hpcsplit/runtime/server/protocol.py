@@ -13,6 +13,7 @@ Imports neither torch nor the servers: tested and used on its own.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,14 +160,14 @@ class ModelSpec:
         return out
 
     def from_bytes(self, t: TensorInfo, shape: Sequence[int], raw: bytes) -> np.ndarray:
-        want = int(np.prod(shape)) * t.dtype.itemsize
+        want = math.prod(shape) * t.dtype.itemsize
         if len(raw) != want:
             raise RequestRejected(f"input {t.name!r}: expected {want} bytes of {t.datatype} for shape {list(shape)}, "
                                   f"got {len(raw)}")
         return np.frombuffer(raw, dtype=t.dtype).reshape(shape)
 
     def from_list(self, t: TensorInfo, shape: Sequence[int], data: Any) -> np.ndarray:
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         try:
             a = np.asarray(data)
             if a.dtype.kind not in "biuf" or (t.dtype.kind != "f" and a.dtype.kind == "f"):

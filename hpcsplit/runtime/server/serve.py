@@ -139,7 +139,8 @@ class Servers:
 
 # ------------------------------------------------------------------------------------------ the loop
 class _Job:
-    """A ticket inside the loop: its sample rows and the outputs collected so far."""
+    """A ticket inside the loop: its sample rows and the outputs collected so far (numpy views of the
+    received messages, one per row, batch dim first)."""
 
     __slots__ = ("left", "outs", "rows", "ticket")
 
@@ -166,7 +167,6 @@ class ServeLoop:
         self.row_job: dict[int, tuple[_Job, int]] = {}  # row id -> (job, position)
         self.pending: list[int] = []  # rows taken, not yet admitted
         self.inflight: dict[int, list[Any]] = {}  # row id -> [route, outputs, missing, critical-path us]
-        self.row_inputs: dict[int, list[torch.Tensor]] = {}
         self._admit_s: dict[int, float] = {}
         self._done_s: dict[int, float] = {}
         self._status: dict[int, int] = {}
@@ -178,8 +178,19 @@ class ServeLoop:
         self._t0 = time.perf_counter()
 
     def _get_inputs(self, idx: np.ndarray) -> list[torch.Tensor]:
-        ri = self.row_inputs
-        return [torch.cat([ri[int(r)][i] for r in idx], 0) for i in range(len(self.df.inputs))]
+        """The admitted rows' inputs: one copy per input, of the runs of consecutive rows of each request
+        (a request's rows are admitted in order, so a request of batch N is one slice of its arrays)."""
+        rj = self.row_job
+        runs: list[tuple[list[np.ndarray], int, int]] = []
+        for r in idx.tolist():
+            job, k = rj[r]
+            arrays = job.ticket.req.arrays
+            if runs and runs[-1][0] is arrays and runs[-1][2] == k:
+                runs[-1] = (arrays, runs[-1][1], k + 1)
+            else:
+                runs.append((arrays, k, k + 1))
+        return [torch.from_numpy(np.concatenate([a[i][k0:k1] for a, k0, k1 in runs], 0))  # a fresh array
+                for i in range(len(self.df.inputs))]
 
     def _drop(self, job: _Job, err: RequestRejected, outcome: str) -> None:
         for r in job.rows:
@@ -187,7 +198,6 @@ class ServeLoop:
             if rec is not None:
                 self.fe.router.release(rec[0], failed=True)
             self.row_job.pop(r, None)
-            self.row_inputs.pop(r, None)
         self.jobs.pop(job.rows[0], None)
         self.counts["failed"] += 1
         self.hub.fail(job.ticket, err, outcome)
@@ -200,22 +210,21 @@ class ServeLoop:
 
     def _row_done(self, r: int, outs: list[Any], aux: int) -> None:
         job, k = self.row_job.pop(r)
-        self.row_inputs.pop(r, None)
         for j, o in enumerate(outs):
             job.outs[j][k] = o
         job.ticket.compute_us = max(job.ticket.compute_us, aux)
         job.left -= 1
         if job.left == 0:
             self.jobs.pop(job.rows[0], None)
-            bdo = self.bdo
-            arrays = [torch.cat(job.outs[j], bdo[j][0]).movedim(bdo[j][0], 0).cpu().numpy() for j in range(len(bdo))]
+            arrays = [np.concatenate(o, 0) for o in job.outs]
             self.counts["ok"] += 1
             self.hub.finish(job.ticket, arrays)
             self.fe.tracer.span("request", job.ticket.t_arrival, time.perf_counter(), job.rows,
                                 queued_us=int((job.ticket.t_admit - job.ticket.t_arrival) * 1e6))
 
     def _on_passthrough(self, r: int, outs: list[torch.Tensor]) -> None:
-        self._row_done(r, outs, 0)
+        bdo = self.bdo
+        self._row_done(r, [o.movedim(bdo[j][0], 0).cpu().numpy() for j, o in enumerate(outs)], 0)
 
     def step(self) -> bool:
         """One pass; whether it did work.  Sets :attr:`done` once drained; raises :class:`_Fatal` when a
@@ -241,7 +250,6 @@ class ServeLoop:
                 self.jobs[rows[0]] = job
                 for k, r in enumerate(rows):
                     self.row_job[r] = (job, k)
-                    self.row_inputs[r] = [torch.from_numpy(np.array(a[k:k + 1])) for a in t.req.arrays]
                 self.pending.extend(rows)
                 self.counts["requests"] += 1
                 self.counts["samples"] += n
@@ -279,12 +287,15 @@ class ServeLoop:
                 continue
             if h.kind != tp.KIND_DATA:
                 continue
+            # numpy views, batch dim first: a row is a slice (a view, no copy), joined once per request
+            slots = [(meta.slot, np.moveaxis(ten.numpy(), meta.rdim, 0)) for meta, ten in
+                     zip(h.tensors, m.tensors, strict=True)]
             for row, rid in enumerate(h.request_ids):
                 rec = inflight.get(rid)
                 if rec is None:
                     continue  # timed out earlier
-                for meta, ten in zip(h.tensors, m.tensors, strict=True):
-                    rec[1][meta.slot] = ten.narrow(meta.rdim, row, 1)
+                for slot, a in slots:
+                    rec[1][slot] = a[row:row + 1]
                     rec[2] -= 1
                 rec[3] = max(rec[3], h.aux)
                 if rec[2] <= 0:
@@ -311,7 +322,7 @@ class ServeLoop:
                                                 "DEADLINE_EXCEEDED"), "timeout")
         # ---- drain
         if self.drain_at is not None:
-            if not self.jobs and hub.queue.empty():
+            if not self.jobs and not hub.queue:
                 self.done = True
             elif now > self.drain_at:
                 self._fail_all(RequestRejected(f"the server stopped (drain of runtime.server_drain_s="
@@ -395,7 +406,7 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
     a ring.  A component failure is re-raised as :class:`RemoteRankError` once the answers have left.
     """
     sl = ServeLoop(ctx, fe, hub)
-    backoff = mb.Backoff(deep_sleep_s=ctx.runtime.idle_sleep_ms / 1e3)
+    backoff = mb.Backoff(spin_s=mb.spin_after_work_s(ctx.runtime.spin_us, ctx.runtime.mode, ctx.threads.local_ranks), deep_sleep_s=ctx.runtime.idle_sleep_ms / 1e3)
     waker = _Waker(asyncio.get_running_loop(), mb._DOORBELL)
     hub.on_submit = waker.kick
     try:

@@ -183,7 +183,7 @@ def _perf(pa: Path, model: str, port: int, protocol: str, fmt: str, conc: int, i
           out: Path, extra: tuple[str, ...] = (), timeout_s: float = 120.0) -> tuple[float, float, float] | None:
     """One perf_analyzer level: (infer/s, p50 ms, p99 ms), or None (said on stderr) when it measured nothing."""
     cmd = [str(pa), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency-range", str(conc),
-           "--measurement-interval", str(interval_ms), "--stability-percentage", "50", "--max-trials", "3",
+           "--measurement-interval", str(interval_ms), "--stability-percentage", "50", "--max-trials", "6",
            "-f", str(out), *extra]
     if protocol == "http":
         cmd += ["--input-tensor-format", fmt, "--output-tensor-format", fmt]

@@ -52,7 +52,9 @@ def spin_after_work_s(spin_us: float | None, mode: str | None, local_ranks: int,
     hundred microseconds after its answer, when every rank has just gone to sleep, and each wake-up from
     a sleep costs this 2-core VM 100-300 us (the woken rank also runs its first calls cold: a Linear(8, 8)
     took 113 us after a sleep and 43 us hot).  So in server mode, when this node has a core for each of
-    the job's ranks on it, a rank spins ``SERVER_SPIN_S`` (2 ms) after work; with more ranks than cores
+    the job's ranks on it, a rank spins ``SERVER_SPIN_S`` (2 ms) after work, yielding the core between
+    polls past the first ``SPIN_S`` (``os.sched_yield``: a process with work on that core, a component or
+    a client, runs first, and the spin takes only idle time); with more ranks than cores
     (a split CLIP on 2 cores) spinning would take the cores the components compute on, and it stays 50 us.
     ``python -m hpcsplit.bench server`` measured the trivial model's p50 at concurrency 1 at 0.88-0.95 ms
     with it and 1.19-1.24 ms without; a quiet server still sleeps (it spins only after work).
@@ -82,7 +84,7 @@ class Backoff:
     other nodes are not counted on for that).
     """
 
-    __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s")
+    __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s", "yielding")
 
     def __init__(self, spin_s: float = SPIN_S, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
                  deep_after_s: float = 0.05) -> None:
@@ -90,6 +92,7 @@ class Backoff:
         self.deep_sleep_s, self.deep_after_s = max(deep_sleep_s, max_sleep_s), deep_after_s
         self._since: float | None = None
         self._sleep = 20e-6
+        self.yielding = False  # the last plan was a spin past SPIN_S: the caller yields the core between polls
 
     def reset(self) -> None:
         self._since = None
@@ -113,6 +116,8 @@ class Backoff:
         """
         s, on_bell = self.plan(now, wake_at, in_flight, quiet)
         if s <= 0:
+            if self.yielding:
+                os.sched_yield()
             return
         db = _DOORBELL
         if on_bell:
@@ -134,7 +139,11 @@ class Backoff:
             self._since = now
         idle_for = now - self._since
         if idle_for < self.spin_s:
+            # a long spin (runtime.spin_us) yields the core between polls once past SPIN_S, so a rank that
+            # has work on this core (a component, a client) runs first and the spin only takes idle time
+            self.yielding = idle_for >= SPIN_S
             return 0.0, False
+        self.yielding = False
         db = _DOORBELL
         quiet_s = (db.quiet_sleep_s if quiet and not in_flight and db is not None and idle_for >= QUIET_AFTER_S
                    else None)

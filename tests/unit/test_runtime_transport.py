@@ -103,6 +103,24 @@ def test_backoff_sleeps_only_after_spinning() -> None:
     assert b2._sleep == pytest.approx(20e-6)
 
 
+def test_a_long_spin_yields_the_core_past_the_short_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: spin after work]: the first SPIN_S is a plain spin; the rest of a longer spin yields between
+    polls; past spin_s the backoff sleeps as before."""
+    yields = []
+    monkeypatch.setattr(mb.os, "sched_yield", lambda: yields.append(1))
+    b = mb.Backoff(spin_s=2e-3, max_sleep_s=1e-3)
+    assert b.plan(10.0) == (0.0, False) and not b.yielding  # the spin starts
+    b.idle(10.0 + mb.SPIN_S / 2)
+    assert not yields
+    assert b.plan(10.0 + 1e-3) == (0.0, False) and b.yielding
+    b.idle(10.0 + 1.5e-3)
+    assert yields == [1]
+    s, _ = b.plan(10.0 + 3e-3)
+    assert s > 0 and not b.yielding
+    b.reset()
+    assert b.plan(20.0) == (0.0, False) and not b.yielding
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_stage_through_pinned_host_memory() -> None:

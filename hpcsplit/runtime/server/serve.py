@@ -426,6 +426,8 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
                 # wait in whole milliseconds (epoll), so sleep here, then give the loop its turn
                 if seconds > 0:
                     time.sleep(seconds)  # noqa: ASYNC251 - under 100 us, on purpose (above)
+                elif backoff.yielding:  # a long spin lets whatever else has work on this core run first
+                    os.sched_yield()
                 await asyncio.sleep(0)
             elif await waker.pause(seconds, on_bell):  # without a doorbell: a timer or a new request
                 backoff.reset()

@@ -57,7 +57,9 @@ def spin_after_work_s(spin_us: float | None, mode: str | None, local_ranks: int,
     a client, runs first, and the spin takes only idle time); with more ranks than cores
     (a split CLIP on 2 cores) spinning would take the cores the components compute on, and it stays 50 us.
     ``python -m hpcsplit.bench server`` measured the trivial model's p50 at concurrency 1 at 0.88-0.95 ms
-    with it and 1.19-1.24 ms without; a quiet server still sleeps (it spins only after work).
+    with it and 1.19-1.24 ms without; a quiet server still sleeps (it spins only after work), and the
+    server's frontend, with nothing in flight, waits on its event loop at once (``ServeLoop.pause``: a
+    client's request wakes it there).
 
     Examples
     --------

@@ -3,7 +3,7 @@
     python -m hpcsplit.bench server [--concurrency 1,8,64] [--interval-ms 2000] [--samples 2000]
 
 One run, figures side by side: requests/s, p50 and p99 (perf_analyzer's, client side) at each concurrency
-over HTTP with JSON tensors, HTTP with the binary extension, and gRPC, for
+over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC streaming (ModelStreamInfer), for
 
 * ``hpcsplit``: ``stage=serve runtime.mode=server`` of a trivial model (one 8 -> 8 linear layer, one component:
   frontend + 1 rank under mpiexec), token on, as deployed;
@@ -43,7 +43,9 @@ from hpcsplit.switchboard.reader import Switchboard
 from hpcsplit.switchboard.writer import export
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = (("http-json", "http", "json"), ("http-binary", "http", "binary"), ("grpc", "grpc", "binary"))
+MODES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("http-json", "http", "json", ()), ("http-binary", "http", "binary", ()), ("grpc", "grpc", "binary", ()),
+    ("grpc-stream", "grpc", "binary", ("--streaming",)))  # ModelStreamInfer: one stream per client
 
 
 # ------------------------------------------------------------------------------------------- echo
@@ -90,6 +92,13 @@ def _echo_main(port_file: str) -> None:
     async def g_infer(_: Any, __: Any) -> Any:
         return g_resp
 
+    async def g_stream(requests: Any, _: Any) -> Any:  # perf_analyzer matches a stream's answers by id
+        async for r in requests:
+            resp = pb.ModelStreamInferResponse()
+            resp.infer_response.CopyFrom(g_resp)
+            resp.infer_response.id = r.id
+            yield resp
+
     def h(fn: Any, req: Any) -> Any:
         return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
                                                    response_serializer=lambda m: m.SerializeToString())
@@ -110,7 +119,10 @@ def _echo_main(port_file: str) -> None:
             "ModelConfig": h(await const(g_cfg), pb.ModelConfigRequest),
             "ServerMetadata": h(await const(pb.ServerMetadataResponse(name="echo", version="1")),
                                 pb.ServerMetadataRequest),
-            "ModelInfer": h(g_infer, pb.ModelInferRequest)}),))
+            "ModelInfer": h(g_infer, pb.ModelInferRequest),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                g_stream, request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=lambda m: m.SerializeToString())}),))
         gport = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         Path(port_file).write_text(json.dumps({"http_port": runner.addresses[0][1], "grpc_port": gport}))
@@ -241,13 +253,13 @@ def main(argv: list[str]) -> int:
                 time.sleep(0.1)
             eports = json.loads(port_file.read_text())
             table: list[tuple[str, int, Any, Any]] = []
-            for label, proto, fmt in MODES:
+            for label, proto, fmt, extra in MODES:
                 for c in levels:
                     k = f"{label}-{c}"
                     e = _perf(pa, "echo", eports[f"{proto}_port"], proto, fmt, c, args.interval_ms, None,
-                              tmp / f"e-{k}.csv")
+                              tmp / f"e-{k}.csv", extra)
                     h = _perf(pa, info["model"], info[f"{proto}_port"], proto, fmt, c, args.interval_ms, token,
-                              tmp / f"h-{k}.csv")
+                              tmp / f"h-{k}.csv", extra)
                     table.append((label, c, e, h))
         finally:
             srv.send_signal(signal.SIGTERM)

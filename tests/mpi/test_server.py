@@ -9,6 +9,7 @@ timeout -> 504) and a raising one (errors to the clients, the job exits non-zero
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -224,6 +225,53 @@ def test_concurrent_clients(toy: Server, toy_sb: Path) -> None:
         np.testing.assert_allclose(got[k], r, atol=1e-5, rtol=1e-4)
 
 
+def test_grpc_stream_answers_in_order_and_refusals_keep_the_stream(toy: Server, toy_sb: Path) -> None:
+    """ModelStreamInfer (tritonclient's start_stream, perf_analyzer --streaming): batch 1 and 4 requests
+    equal the whole model, in the stream's order; a wrong dtype is answered with an error and the stream
+    goes on; a stream without the token is refused."""
+    import queue
+
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    c = toy.grpc()
+    c.start_stream(callback=lambda result, error: got.put((result, error)), headers=toy.gmeta())
+    ins_n, outs_n = _names(toy_sb)
+    expect: list[tuple[str, Any]] = []
+    for k, batch in enumerate((1, 4, 2, 4)):
+        xs = _inputs_for(toy_sb, batch, seed=20 + k)
+        ins = []
+        for name, x in zip(ins_n, xs, strict=True):
+            i = tg.InferInput(name, list(x.shape), _DT[str(x.dtype)])
+            i.set_data_from_numpy(x)
+            ins.append(i)
+        c.async_stream_infer(toy.model, ins, request_id=f"r{k}")
+        expect.append((f"r{k}", _whole_per_request(toy_sb, xs)))
+        if k == 1:
+            bad = tg.InferInput(ins_n[0], list(xs[0].shape), "FP64")
+            bad.set_data_from_numpy(xs[0].astype(np.float64))
+            c.async_stream_infer(toy.model, [bad], request_id="bad")
+            expect.append(("bad", None))
+    for rid, ref in expect:
+        result, error = got.get(timeout=30)
+        if ref is None:
+            assert result is None and "expected datatype FP32" in str(error), (result, error)
+            continue
+        assert error is None, error
+        assert result.get_response().id == rid
+        for name, r in zip(outs_n, ref, strict=True):
+            np.testing.assert_allclose(result.as_numpy(name).reshape(r.shape), r, atol=1e-5, rtol=1e-4)
+    c.stop_stream()
+    c2 = toy.grpc()
+    c2.start_stream(callback=lambda result, error: got.put((result, error)))
+    xs = _inputs_for(toy_sb, 1, seed=1)
+    i = tg.InferInput(ins_n[0], list(xs[0].shape), _DT[str(xs[0].dtype)])
+    i.set_data_from_numpy(xs[0])
+    with contextlib.suppress(InferenceServerException):  # refused at the stream's start, maybe before this
+        c2.async_stream_infer(toy.model, [i])
+    result, error = got.get(timeout=30)
+    assert result is None and "UNAUTHENTICATED" in str(error.status()), error
+    c2.stop_stream()
+
+
 def _body(name: str = "x", dt: str = "FP32", shape: list[int] | None = None, data: Any = None) -> bytes:
     shape = shape or [1, 64]
     n = int(np.prod(shape))
@@ -310,14 +358,16 @@ def perf_analyzer() -> Path:
     return ROOT / p.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-stream"])
 def test_perf_analyzer_sweep(toy: Server, perf_analyzer: Path, protocol: str, tmp_path: Path) -> None:
+    streaming = protocol == "grpc-stream"
+    protocol = "grpc" if streaming else protocol
     port = toy.ep["http_port"] if protocol == "http" else toy.ep["grpc_port"]
     key = "Authorization" if protocol == "http" else "authorization"
     cmd = [str(perf_analyzer), "-m", toy.model, "-u", f"127.0.0.1:{port}", "-i", protocol,
            "-H", f"{key}:Bearer {toy.token}", "--concurrency-range", "1:2", "-b", "2",
            "--measurement-interval", "1000", "--stability-percentage", "90", "--max-trials", "4",
-           "-f", str(tmp_path / "pa.csv")]
+           "-f", str(tmp_path / "pa.csv"), *(["--streaming"] if streaming else [])]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode in (0, 2), p.stdout[-2000:] + p.stderr[-2000:]  # 2: a level did not stabilise
     assert "Concurrency: 1" in p.stdout, p.stdout[-2000:]

@@ -4,14 +4,16 @@
 Every call needs ``authorization: Bearer <token>`` metadata when the server has a token (else
 UNAUTHENTICATED, before any work); messages over ``runtime.server_max_body_mb`` are refused by grpc
 itself (RESOURCE_EXHAUSTED).  Rejected requests get INVALID_ARGUMENT / NOT_FOUND / UNAVAILABLE with the
-same messages as over HTTP.  ``ModelStreamInfer`` and the repository / shared-memory calls are not served
-(UNIMPLEMENTED).
+same messages as over HTTP.  ``ModelStreamInfer`` (a bidirectional stream of infer requests, Triton's
+``--streaming``) admits each request as it arrives, so requests of one stream batch together, and answers
+in the stream's order; a rejected request gets a response with ``error_message`` and the stream goes on.
+The repository / shared-memory calls are not served (UNIMPLEMENTED).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -142,6 +144,39 @@ def make_handler(hub: Hub, timeout_s: float, version: str) -> grpc.GenericRpcHan
             resp.raw_output_contents.append(np.ascontiguousarray(a).tobytes())
         return resp
 
+    async def stream_one(r: Any) -> Any:
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await infer(r, None))
+        except RequestRejected as e:
+            if not e.counted:
+                hub.count(None, "rejected", "grpc")
+            return pb.ModelStreamInferResponse(error_message=str(e), infer_response=pb.ModelInferResponse(
+                model_name=spec.name, model_version=spec.version, id=r.id))
+
+    async def stream_infer(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """ModelStreamInfer: every request is submitted as it is read; the answers go back in order."""
+        await guard(context)
+        order: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for r in requests:
+                    order.put_nowait(asyncio.ensure_future(stream_one(r)))
+            finally:
+                order.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (task := await order.get()) is not None:
+                yield await task
+            await reader  # the client's end of the stream, or its error
+        finally:
+            reader.cancel()
+            while not order.empty():
+                left = order.get_nowait()
+                if left is not None:
+                    left.cancel()
+
     table = {"ServerLive": (server_live, pb.ServerLiveRequest), "ServerReady": (server_ready, pb.ServerReadyRequest),
              "ModelReady": (model_ready, pb.ModelReadyRequest),
              "ServerMetadata": (server_meta, pb.ServerMetadataRequest),
@@ -152,4 +187,7 @@ def make_handler(hub: Hub, timeout_s: float, version: str) -> grpc.GenericRpcHan
     handlers = {name: grpc.unary_unary_rpc_method_handler(unary(fn), request_deserializer=req.FromString,
                                                           response_serializer=lambda m: m.SerializeToString())
                 for name, (fn, req) in table.items()}
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
+        response_serializer=lambda m: m.SerializeToString())
     return grpc.method_handlers_generic_handler(SERVICE, handlers)

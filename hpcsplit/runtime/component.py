@@ -391,7 +391,7 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), rt.max_wait_ms / 1e3,
                              rt.request_timeout_s, tracer, ctx.device, rt.abort_grace_s, rt.idle_sleep_ms / 1e3,
                              row_errors=rt.mode == "batch", stats_every_s=1.0 if rt.mode == "server" else None,
-                             spin_s=mb.spin_after_work_s(rt.spin_us, rt.mode, ctx.threads.local_ranks))
+                             spin_s=ctx.spin_s)
         st["variant"] = vname
         if floor:
             st["floor_samples_ms"] = floor

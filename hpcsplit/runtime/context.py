@@ -18,6 +18,7 @@ from hpcsplit.core.mpi import MPI
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan, RankEntry
 from hpcsplit.runtime.faults import describe_rank, named_barrier
+from hpcsplit.runtime.mailbox import spin_after_work_s
 from hpcsplit.runtime.routing import Dataflow
 from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 from hpcsplit.runtime.threads import ThreadChoice
@@ -58,6 +59,11 @@ class RankContext:
     @property
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def spin_s(self) -> float:
+        """How long this rank's loops poll back to back after work (``[Note: spin after work]``)."""
+        return spin_after_work_s(self.runtime.spin_us, self.runtime.mode, self.threads.local_ranks)
 
     def tracer(self, label: str) -> Tracer:
         """This rank's tracer (``runtime.trace``)."""

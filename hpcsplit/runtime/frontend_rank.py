@@ -19,7 +19,6 @@ import torch
 from hpcsplit.core.mpi import MPI
 from hpcsplit.errors import RequestTimeoutError, RuntimeStageError, VerificationError
 from hpcsplit.runtime import benchmark
-from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batch_files import check_output_path, host_row
 from hpcsplit.runtime.batch_stream import (
@@ -133,8 +132,7 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
     fe: Frontend | None = None
     for vname, df in variants:
         prev = fe
-        fe = Frontend(comm, df, tracer, rt.idle_sleep_ms / 1e3,
-                      mb.spin_after_work_s(rt.spin_us, rt.mode, ctx.threads.local_ranks))
+        fe = Frontend(comm, df, tracer, rt.idle_sleep_ms / 1e3, ctx.spin_s)
         fe.next_id = next_id
         strays = prev.drop_strays if prev is not None else None
         for turn in floor_turns(ctx, df, vname):  # the component ranks time their floor, in turn

@@ -307,6 +307,10 @@ def parse_layout(data: bytes, path: Path) -> Layout:
     return layout
 
 
+def _mismatch(t: TensorSpec, made: TensorSpec) -> bool:
+    return (t.dtype, tuple(t.shape)) != (made.dtype, tuple(made.shape))
+
+
 def _check_wiring(path: Path, layout: Layout) -> None:
     available = {t.name: t for t in layout.inputs}
     for c in layout.components:
@@ -317,7 +321,7 @@ def _check_wiring(path: Path, layout: Layout) -> None:
             )
         for t in c.inputs:
             made = available[t.name]
-            if (t.dtype, tuple(t.shape)) != (made.dtype, tuple(made.shape)):
+            if _mismatch(t, made):
                 raise SwitchboardError(
                     f"{path} is malformed: component {c.name!r} reads {t.name!r} as {t.dtype} {list(t.shape)}, "
                     f"but it is made as {made.dtype} {list(made.shape)}; re-run the export"
@@ -328,7 +332,7 @@ def _check_wiring(path: Path, layout: Layout) -> None:
         raise SwitchboardError(f"{path} is malformed: outputs {missing} are produced by no component")
     for t, v in zip(layout.outputs, layout.output_values, strict=False):
         made = available[v]
-        if (t.dtype, tuple(t.shape)) != (made.dtype, tuple(made.shape)):
+        if _mismatch(t, made):
             raise SwitchboardError(
                 f"{path} is malformed: output {t.name!r} is {t.dtype} {list(t.shape)}, but {v!r} is made as "
                 f"{made.dtype} {list(made.shape)}; re-run the export"

@@ -343,17 +343,14 @@ def _match_program(ep: Any, inputs: Sequence[L.TensorSpec], outputs: Sequence[L.
             f"program {rel!r} of {what} takes {n_in} input(s) and gives {n_out} output(s); layout.json records "
             f"{len(inputs)} and {len(outputs)}; the file belongs to another export; re-run the export"
         )
-    vals = []
-    for s in ep.graph_signature.input_specs:
-        if s.kind.name != "USER_INPUT":
-            continue
-        node = next((n for n in ep.graph.nodes if n.op == "placeholder" and n.name == s.arg.name), None)
-        vals.append(None if node is None else node.meta.get("val"))
-    for spec, v in zip(inputs, vals, strict=False):
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    users = [placeholders.get(s.arg.name) for s in sig.input_specs if s.kind.name == "USER_INPUT"]
+    for spec, node in zip(inputs, users, strict=True):
+        v = None if node is None else node.meta.get("val")
         if not isinstance(v, torch.Tensor):
             raise SwitchboardError(f"program {rel!r} of {what} records no tensor for input {spec.name!r}; "
                                    "the file was not written by torch.export; re-run the export")
-        shape = ["batch" if isinstance(d, torch.SymInt) else int(d) for d in v.shape]
+        shape = [L.BATCH if isinstance(d, torch.SymInt) else int(d) for d in v.shape]
         dt = str(v.dtype).removeprefix("torch.")
         if dt != spec.dtype or shape != list(spec.shape):
             raise SwitchboardError(

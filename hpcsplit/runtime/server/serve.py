@@ -406,7 +406,7 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
     a ring.  A component failure is re-raised as :class:`RemoteRankError` once the answers have left.
     """
     sl = ServeLoop(ctx, fe, hub)
-    backoff = mb.Backoff(spin_s=mb.spin_after_work_s(ctx.runtime.spin_us, ctx.runtime.mode, ctx.threads.local_ranks), deep_sleep_s=ctx.runtime.idle_sleep_ms / 1e3)
+    backoff = mb.Backoff(spin_s=ctx.spin_s, deep_sleep_s=ctx.runtime.idle_sleep_ms / 1e3)
     waker = _Waker(asyncio.get_running_loop(), mb._DOORBELL)
     hub.on_submit = waker.kick
     try:

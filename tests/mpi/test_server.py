@@ -10,6 +10,7 @@ timeout -> 504) and a raising one (errors to the clients, the job exits non-zero
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import signal
@@ -366,11 +367,17 @@ def test_perf_analyzer_sweep(toy: Server, perf_analyzer: Path, protocol: str, tm
     key = "Authorization" if protocol == "http" else "authorization"
     cmd = [str(perf_analyzer), "-m", toy.model, "-u", f"127.0.0.1:{port}", "-i", protocol,
            "-H", f"{key}:Bearer {toy.token}", "--concurrency-range", "1:2", "-b", "2",
-           "--measurement-interval", "1000", "--stability-percentage", "90", "--max-trials", "4",
+           # the sweep is asked to complete, not to time anything: on a loaded 2-core CI machine one-second
+           # windows at concurrency 1 varied by more than 1.9x four times running (CI of stop 24), so any three
+           # windows within 11x of each other count as stable
+           "--measurement-interval", "1000", "--stability-percentage", "1000", "--max-trials", "10",
            "-f", str(tmp_path / "pa.csv"), *(["--streaming"] if streaming else [])]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-    assert p.returncode in (0, 2), p.stdout[-2000:] + p.stderr[-2000:]  # 2: a level did not stabilise
-    assert "Concurrency: 1" in p.stdout, p.stdout[-2000:]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Concurrency: 1" in p.stdout and "Concurrency: 2" in p.stdout, p.stdout[-2000:]
+    rows = list(csv.DictReader((tmp_path / "pa.csv").open()))
+    assert [int(r["Concurrency"]) for r in rows] == [1, 2], rows
+    assert all(float(r["Inferences/Second"]) > 0 for r in rows), rows
 
 
 def test_sigterm_drains_and_exits_0(toy: Server, toy_sb: Path) -> None:

@@ -11,9 +11,9 @@ writes one).  For each of
 * ``split``: the plan as allocated,
 
 it starts ``stage=serve runtime.mode=server`` under mpiexec on this node (token on, as deployed), drives it with
-perf_analyzer at each concurrency (binary tensors; ``--input-data zero``, so token ids are valid), and stops it
-with SIGTERM.  One run, figures side by side: infer/s, p50 and p99 (perf_analyzer's, client side) and the
-split/whole ratios; ``endpoint_sweep.csv`` and ``endpoint_sweep.png`` go to ``--out`` (default ``RUN/bench``).
+perf_analyzer at each concurrency (binary tensors; the switchboard's own golden inputs, first row, as
+perf_analyzer's ``--input-data`` folder: real pixels and valid token ids), and stops it with SIGTERM.  One
+run, figures side by side: infer/s, p50 and p99 (perf_analyzer's, client side) and the split/whole ratios; ``endpoint_sweep.csv`` and ``endpoint_sweep.png`` go to ``--out`` (default ``RUN/bench``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,21 @@ from hpcsplit.errors import HpcsplitError
 VARIANTS = ("whole", "split")
 
 
+def input_data(sb: Path, out: Path) -> Path:
+    """perf_analyzer's ``--input-data`` folder for ``sb``: one file per model input, named as the input, holding
+    the raw bytes (row-major) of the first row of the switchboard's golden inputs (a batch-1 request)."""
+    from hpcsplit.switchboard.reader import Switchboard
+
+    board = Switchboard.load(sb)
+    out.mkdir(parents=True, exist_ok=True)
+    for t, x in zip(board.layout.inputs, board.example_inputs(), strict=True):
+        if t.name in ("", ".", "..") or Path(t.name).name != t.name or "\0" in t.name:
+            raise HpcsplitError(f"{sb}: model input {t.name!r} cannot name a file of perf_analyzer's input data; "
+                                "rename the input in the model and re-run the export")
+        (out / t.name).write_bytes(x[:1].contiguous().numpy().tobytes())
+    return out
+
+
 def _sweep(pa: Path, tmp: Path, sb: Path, plan: Path, n: int, variant: str, levels: list[int], protocol: str,
            interval_ms: int) -> dict[int, tuple[float, float, float] | None]:
     t0 = time.monotonic()
@@ -43,10 +58,11 @@ def _sweep(pa: Path, tmp: Path, sb: Path, plan: Path, n: int, variant: str, leve
     srv, info, token = _start_hpcsplit(tmp, sb, plan, n, {"server_model": variant}, name=variant)
     print(f"[{variant}] ready after {time.monotonic() - t0:.0f} s at {info['http_url']}", flush=True)
     out: dict[int, tuple[float, float, float] | None] = {}
+    data = input_data(sb, tmp / "input-data")
     try:
         for c in levels:
             r = _perf(pa, info["model"], info[f"{protocol}_port"], protocol, "binary", c, interval_ms, token,
-                      tmp / f"{variant}-{c}.csv", extra=("--input-data", "zero"), timeout_s=60 + 8 * interval_ms / 1e3)
+                      tmp / f"{variant}-{c}.csv", extra=("--input-data", str(data)), timeout_s=60 + 8 * interval_ms / 1e3)
             out[c] = r
             shown = f"{r[0]:.2f} infer/s, p50 {r[1]:.1f} ms, p99 {r[2]:.1f} ms" if r else "no stable measurement"
             print(f"[{variant}] concurrency {c}: {shown}", flush=True)

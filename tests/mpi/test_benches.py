@@ -65,3 +65,13 @@ def test_endpoint_bench_sweeps_whole_and_split(tmp_path: Path, switchboards: Cal
     rows = (tmp_path / "out" / "endpoint_sweep.csv").read_text().splitlines()
     assert rows[0].startswith("concurrency,whole_infer_per_s") and len(rows) == 3
     assert (tmp_path / "out" / "endpoint_sweep.png").stat().st_size > 1000
+
+    # perf_analyzer's input data: the switchboard's golden first row, one raw file per input
+    from hpcsplit.bench.endpoint import input_data
+    from hpcsplit.switchboard.reader import Switchboard
+
+    board = Switchboard.load(sb)
+    data = input_data(sb, tmp_path / "data")
+    assert sorted(f.name for f in data.iterdir()) == sorted(t.name for t in board.layout.inputs)
+    for t, x in zip(board.layout.inputs, board.example_inputs(), strict=True):
+        assert (data / t.name).read_bytes() == x[0].numpy().tobytes()

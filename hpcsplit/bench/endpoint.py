@@ -32,6 +32,7 @@ from typing import Any
 from hpcsplit.bench.server import _perf, _start_hpcsplit, perf_analyzer
 from hpcsplit.core.plan import Plan
 from hpcsplit.errors import HpcsplitError
+from hpcsplit.switchboard.reader import Switchboard
 
 VARIANTS = ("whole", "split")
 
@@ -39,8 +40,6 @@ VARIANTS = ("whole", "split")
 def input_data(sb: Path, out: Path) -> Path:
     """perf_analyzer's ``--input-data`` folder for ``sb``: one file per model input, named as the input, holding
     the raw bytes (row-major) of the first row of the switchboard's golden inputs (a batch-1 request)."""
-    from hpcsplit.switchboard.reader import Switchboard
-
     board = Switchboard.load(sb)
     out.mkdir(parents=True, exist_ok=True)
     for t, x in zip(board.layout.inputs, board.example_inputs(), strict=True):

@@ -1,6 +1,7 @@
 """Transport benchmark: hpcsplit's header + raw buffer vs raw mpi4py ``Send``/``Recv`` vs pickled ``send``.
 
     python -m hpcsplit.bench transport [--iters N] [--sizes 4K,1M,64M]
+    python -m hpcsplit.bench transport --slurm [--cluster dev2] [--out DIR]   # one node vs two nodes
 
 Two ranks, float32 tensors of 4 KiB to 64 MiB, measured the two ways the OSU micro-benchmarks do:
 
@@ -18,20 +19,37 @@ until done, as MPICH's blocking calls do.  ``idle`` is ours with the transport's
 Target: ours >= 90% of raw bandwidth from 1 MiB up (the verdict line also gives ours / rawW: the runtime's
 inbox takes a whole window per poll, so each message lands in a buffer of its own).  Started without MPI (world size 1) it re-launches
 itself under ``mpiexec -n 2``.
+
+``--slurm`` runs it twice through ``srun`` with a cluster preset's ``slurm:`` block (partition, account, qos,
+constraint, ``srun_mpi`` and its ``setup`` lines): both ranks on one node (MPI through shared memory), then one
+rank on each of two nodes (MPI over the network), and prints the two side by side with the two-node / one-node
+ratios, writing ``transport_nodes.csv`` and ``transport_nodes.png`` (and each run's own table,
+``transport_{1,2}node.log``) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
+import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from hpcsplit.core.cluster import ClusterSpec
 from hpcsplit.core.mpi import MPI, get_comm, mpi_library_version
+from hpcsplit.core.settings import conf_dir, group_defaults
+from hpcsplit.errors import ConfigError, HpcsplitError
 from hpcsplit.launch.local import find_mpiexec
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.mailbox import Inbox
@@ -194,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"transport benchmark needs exactly 2 ranks, has {comm.Get_size()}", file=sys.stderr)
         return 2
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    hosts = comm.allgather(socket.gethostname())
     lat, bw = [], []
     for nbytes in sizes:
         it = _iters_for(nbytes, args.iters)
@@ -208,8 +227,14 @@ def _run(args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     aware, why = cuda_aware_mpi()
+    if args.json:
+        rows = [{"bytes": nb, "latency_s": {m: list(v) for m, v in r.items()},
+                 "window_s": {m: list(v) for m, v in b.items()}, "window": _window(nb)}
+                for (nb, _i, r), (_nb, _w, b) in zip(lat, bw, strict=True)]
+        Path(args.json).write_text(json.dumps({"hosts": hosts, "mpi": mpi_library_version(), "sizes": rows}))
     print(f"# transport, 2 ranks, {mpi_library_version()}, CUDA-aware: {aware} ({why})")
-    print(f"# host {os.uname().nodename}, {os.cpu_count()} cores (shared machine: figures are indicative)")
+    print(f"# ranks on {hosts[0]} and {hosts[1]}{' (one node)' if hosts[0] == hosts[1] else ' (two nodes)'}, "
+          f"{os.cpu_count()} cores on rank 0's (shared machine: figures are indicative)")
     print("# raw: preallocated buffers, sizes known in advance; ours: header + raw payload into a pooled tensor; "
           "pickle: mpi4py send/recv of the tensor")
     print("\n## latency: ping-pong, one-way time = round trip / 2 (best and median of 'iters'); idle = ours with "
@@ -262,13 +287,178 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _srun_command(cluster: ClusterSpec, nodes: int, args: argparse.Namespace, json_path: Path) -> list[str]:
+    """``bash -c 'SETUP; exec srun ...'``: the preset's setup lines, then two tasks on ``nodes`` nodes."""
+    sl = cluster.slurm
+    assert sl is not None
+    srun = ["srun", "--nodes", str(nodes), "--ntasks", "2", "--ntasks-per-node", str(2 // nodes),
+            "--cpus-per-task", "1", f"--mpi={sl.srun_mpi}", f"--time={args.time_min}", "--kill-on-bad-exit=1",
+            "--job-name", f"hpcsplit-transport-{nodes}n"]
+    for flag, value in (("--partition", sl.partition), ("--account", sl.account), ("--qos", sl.qos),
+                        ("--constraint", sl.constraint)):
+        if value:
+            srun += [flag, str(value)]
+    srun += [sys.executable, "-m", "hpcsplit.bench", "transport", "--iters", str(args.iters), "--sizes", args.sizes,
+             "--json", str(json_path)]
+    script = "\n".join(["set -e", *sl.setup, "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", "exec " + shlex.join(srun)])
+    return ["bash", "-c", script]
+
+
+def _run_srun(cmd: list[str], log: Path, timeout_s: float, what: str) -> None:
+    """Run one srun to its end under a deadline (its process group killed past it); its output to ``log``."""
+    t0 = time.monotonic()
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # srun cancels its step and job on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise HpcsplitError(f"{what}: srun did not finish within {timeout_s:.0f} s (its output: {log}); "
+                                "is the partition busy? raise --timeout-s or check squeue") from None
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+    if rc != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise HpcsplitError(f"{what}: srun exited {rc} after {time.monotonic() - t0:.0f} s; the end of its "
+                            f"output ({log}):\n{tail}")
+
+
+def _gbps(row: dict[str, Any], method: str, i: int) -> float:
+    return row["window"] * row["bytes"] / row["window_s"][method][i] / 1e9
+
+
+def _read_result(path: Path, nodes: int, what: str) -> dict[str, Any]:
+    try:
+        res = json.loads(path.read_text())
+        hosts = res["hosts"]
+        rows = res["sizes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HpcsplitError(f"{what}: the run wrote no readable result ({path}: {e})") from e
+    if len(set(hosts)) != nodes:
+        raise HpcsplitError(f"{what}: the ranks ran on {hosts}, not on {nodes} node(s); the partition must hold "
+                            f"{nodes} node(s) that take jobs (sinfo)")
+    return {"hosts": hosts, "mpi": res.get("mpi", ""), "rows": rows}
+
+
+def _plot_nodes(path: Path, one: dict[str, Any], two: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for res, label, style in ((one, "one node", "-"), (two, "two nodes", "--")):
+        x = [r["bytes"] for r in res["rows"]]
+        for m in ("raw", "ours"):
+            a.plot(x, [r["latency_s"][m][0] * 1e6 for r in res["rows"]], style, marker="o", label=f"{m}, {label}")
+            b.plot(x, [_gbps(r, m, 0) for r in res["rows"]], style, marker="o", label=f"{m}, {label}")
+    for ax, ylabel, title in ((a, "one-way latency (us, best)", "ping-pong"),
+                              (b, "bandwidth (GB/s, best)", "window of messages in flight")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"transport: {one['hosts'][0]} (2 ranks) vs {two['hosts'][0]} <-> {two['hosts'][1]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _nodes_main(args: argparse.Namespace) -> int:
+    """``--slurm``: one node vs two nodes, side by side, in one run."""
+    if not (conf_dir() / "cluster" / f"{args.cluster}.yaml").is_file():
+        names = sorted(p.stem for p in (conf_dir() / "cluster").glob("*.yaml"))
+        raise ConfigError(f"--cluster {args.cluster!r}: no such preset; choose one of {', '.join(names)} "
+                          "(conf/cluster/<name>.yaml)")
+    cluster = ClusterSpec.from_config(group_defaults("cluster", args.cluster))
+    if cluster.slurm is None:
+        raise ConfigError(f"--cluster {args.cluster!r} has no slurm: block; use a SLURM preset (dev2, perlmutter)")
+    if shutil.which("srun") is None:
+        raise HpcsplitError("--slurm needs srun on PATH: run it on a SLURM login node (on this machine: "
+                            "slurm/dev-cluster.sh up --nodes 2, then --cluster dev2)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {}
+    for nodes in (1, 2):
+        what = f"transport on {'one node' if nodes == 1 else 'two nodes'}"
+        json_path, log = out / f"transport_{nodes}node.json", out / f"transport_{nodes}node.log"
+        json_path.unlink(missing_ok=True)
+        print(f"[bench transport] {what}: srun --nodes {nodes} --ntasks 2 (cluster={args.cluster}) ...", flush=True)
+        t0 = time.monotonic()
+        _run_srun(_srun_command(cluster, nodes, args, json_path), log, args.timeout_s, what)
+        res[nodes] = _read_result(json_path, nodes, what)
+        print(f"[bench transport] {what}: done in {time.monotonic() - t0:.0f} s on {', '.join(res[nodes]['hosts'])}",
+              flush=True)
+    one, two = res[1], res[2]
+    print(f"\n# transport, one node ({one['hosts'][0]}: both ranks, shared memory) vs two nodes "
+          f"({two['hosts'][0]} <-> {two['hosts'][1]}, network), {one['mpi']}; best of each run, 2n/1n: two "
+          "nodes over one")
+    head = (f"{'size':>6} | {'lat raw 1n':>10} {'ours 1n':>8} {'raw 2n':>8} {'ours 2n':>8} {'ours 2n/1n':>10} | "
+            f"{'bw raw 1n':>9} {'ours 1n':>8} {'raw 2n':>8} {'ours 2n':>8} {'ours 2n/1n':>10}")
+    print(f"{'':>6} | {'one-way latency, us':<48} | {'bandwidth, GB/s':<48}")
+    print(head)
+    print("-" * len(head))
+    table = []
+    for r1, r2 in zip(one["rows"], two["rows"], strict=True):
+        l1 = {m: r1["latency_s"][m][0] * 1e6 for m in ("raw", "ours")}
+        l2 = {m: r2["latency_s"][m][0] * 1e6 for m in ("raw", "ours")}
+        b1 = {m: _gbps(r1, m, 0) for m in ("raw", "ours")}
+        b2 = {m: _gbps(r2, m, 0) for m in ("raw", "ours")}
+        print(f"{_label(r1['bytes']):>6} | {l1['raw']:>10.1f} {l1['ours']:>8.1f} {l2['raw']:>8.1f} {l2['ours']:>8.1f} "
+              f"{l2['ours'] / l1['ours']:>9.2f}x | {b1['raw']:>9.2f} {b1['ours']:>8.2f} {b2['raw']:>8.2f} "
+              f"{b2['ours']:>8.2f} {b2['ours'] / b1['ours']:>9.2f}x")
+        table.append({"bytes": r1["bytes"], **{f"latency_us_{m}_{n}n": round(v, 2) for n, d in ((1, l1), (2, l2))
+                                                for m, v in d.items()},
+                      **{f"bandwidth_gbps_{m}_{n}n": round(v, 4) for n, d in ((1, b1), (2, b2)) for m, v in d.items()}})
+    csv_path, png = out / "transport_nodes.csv", out / "transport_nodes.png"
+    with csv_path.open("w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(table[0]))
+        wr.writeheader()
+        wr.writerows(table)
+    _plot_nodes(png, one, two)
+    print(f"written: {csv_path}, {png} (each run's own table: {out / 'transport_1node.log'}, "
+          f"{out / 'transport_2node.log'})")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcsplit.bench transport", description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=50, help="round trips at 1 MiB (scaled by size)")
     p.add_argument("--sizes", default=",".join(_SIZES), help="comma list, e.g. 4K,1M,64M")
     p.add_argument("--mpiexec", default=None, help="default: the one beside this Python, else PATH")
+    p.add_argument("--slurm", action="store_true",
+                   help="run through srun twice, both ranks on one node and one rank on each of two nodes, side by side")
+    p.add_argument("--cluster", default="dev2", help="--slurm: the conf/cluster preset whose slurm: block srun uses")
+    p.add_argument("--out", default=".", help="--slurm: where the CSV, PNG and each run's log go")
+    p.add_argument("--time-min", type=int, default=10, help="--slurm: each job's time limit (minutes)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="--slurm: the deadline of each srun, queue included")
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        sizes = [_parse_size(x) for x in args.sizes.split(",")]
+        if not sizes or min(sizes) < 4:
+            raise ValueError
+    except (ValueError, IndexError):
+        p.error(f"--sizes {args.sizes!r}: give sizes of at least 4 bytes, comma-separated (4K,1M,64M)")
+    if args.iters < 1 or args.time_min < 1 or args.timeout_s <= 0:
+        p.error("--iters and --time-min take a positive integer, --timeout-s a positive number of seconds")
     in_mpi = any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE"))
+    if args.slurm and not in_mpi:
+        try:
+            return _nodes_main(args)
+        except HpcsplitError as e:
+            print(f"python -m hpcsplit.bench transport --slurm: {e}", file=sys.stderr)
+            return 2
     if not in_mpi:
         cmd = [find_mpiexec(args.mpiexec), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "hpcsplit.bench",
                "transport", "--iters", str(args.iters), "--sizes", args.sizes]

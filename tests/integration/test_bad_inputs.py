@@ -220,6 +220,23 @@ def test_missing_sbatch(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "switchboard").exists()  # failed before the export
 
 
+def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hpcsplit.bench", *args], cwd=REPO,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_transport_bench_on_slurm_names_a_missing_preset_or_srun(tmp_path: Path) -> None:
+    res = _bench("transport", "--slurm", "--cluster", "nosuchsite", "--out", str(tmp_path))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "'nosuchsite': no such preset" in res.stderr and "dev2" in res.stderr, res.stderr
+    res = _bench("transport", "--slurm", "--cluster", "local", "--out", str(tmp_path))
+    assert res.returncode == 2 and "has no slurm: block" in res.stderr, res.stderr
+    res = _bench("transport", "--slurm", "--out", str(tmp_path), env={"PATH": str(Path(sys.executable).parent)})
+    assert res.returncode == 2 and "needs srun on PATH" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    res = _bench("transport", "--sizes", "1M,big")
+    assert res.returncode == 2 and "--sizes '1M,big'" in res.stderr, res.stderr
+
+
 # -------------------------------------------------------------------------------------- rank crash
 
 

@@ -1,0 +1,43 @@
+"""``python -m hpcsplit.bench transport --slurm``: both ranks on one node, then a rank on each of the two nodes of
+the dev cluster, printed side by side; the two-node run's UCX log shows its messages went over TCP.
+
+Skipped unless two SLURM nodes are up.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.multinode import helpers as mn
+
+pytestmark = mn.pytestmark
+
+
+def test_transport_bench_one_node_beside_two_nodes(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    res = subprocess.run(
+        [sys.executable, "-m", "hpcsplit.bench", "transport", "--slurm", "--cluster", "dev2", "--out", str(out),
+         "--sizes", "4K,1M", "--iters", "8", "--timeout-s", "300"],
+        cwd=mn.REPO, env=mn.env(UCX_PROTO_INFO="y"), capture_output=True, text=True, timeout=700, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    one = json.loads((out / "transport_1node.json").read_text())
+    two = json.loads((out / "transport_2node.json").read_text())
+    assert len(set(one["hosts"])) == 1 and set(one["hosts"]) <= set(mn.NODES), one["hosts"]
+    assert len(set(two["hosts"])) == 2 and set(two["hosts"]) <= set(mn.NODES), two["hosts"]
+    # the ranks on different nodes talked over TCP (each has its own boot_id, so UCX takes the network)
+    tcp = mn.tcp_between_nodes([out / "transport_2node.log"])
+    assert tcp and all(any(t.startswith("tcp/") for t in ts) for ts in tcp.values()), tcp
+    assert not mn.tcp_between_nodes([out / "transport_1node.log"])  # one node: no inter-node endpoint
+    with (out / "transport_nodes.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["bytes"]) for r in rows] == [4096, 1 << 20]
+    assert all(float(v) > 0 for r in rows for k, v in r.items() if k != "bytes")
+    assert (out / "transport_nodes.png").stat().st_size > 10_000
+    table = res.stdout[res.stdout.index("# transport, one node"):]
+    assert f"({two['hosts'][0]} <-> {two['hosts'][1]}, network)" in table
+    assert len([ln for ln in table.splitlines() if ln.strip().startswith(("4K |", "1M |"))]) == 2
+

@@ -40,6 +40,7 @@ __all__ = [
     "build_toy",
     "example_inputs",
     "hf_example_inputs",
+    "hf_text_length",
     "import_target",
 ]
 
@@ -409,22 +410,41 @@ def _sub(config: Any, *names: str) -> Any:
     return config
 
 
+MAX_TEXT_LEN = 512  # the longest default text length of hf example inputs (Longformer-like configs have 4096)
+
+
+def hf_text_length(model: nn.Module) -> int:
+    """The text length of a transformers model's example inputs when ``model.seq_len`` is null: its context
+    (the text config's ``max_position_embeddings``: CLIP 77, SigLIP 64, BERT 512), less the positions a
+    RoBERTa-style position embedding keeps before the first token (``padding_idx + 1``: CLAP's and
+    XLM-R's text towers), at most :data:`MAX_TEXT_LEN`.  The export fixes this length (only the batch is
+    symbolic), so it is what requests must carry, and what the towers' FLOPs, which decide the split, are
+    computed at: a tokenizer padding to the model's length (``padding="max_length"``) fits it.
+    """
+    max_pos = int(getattr(_sub(model.config, "text_config"), "max_position_embeddings", None) or 16)
+    reserved = max((m.padding_idx + 1 for name, m in model.named_modules()
+                    if isinstance(m, nn.Embedding) and name.endswith("position_embeddings")
+                    and m.num_embeddings == max_pos and m.padding_idx is not None), default=0)
+    return max(1, min(max_pos - reserved, MAX_TEXT_LEN))
+
+
 def hf_example_inputs(
     config: Any, names: Sequence[str], batch_size: int = 2, *, seq_len: int | None = None, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Random example inputs for a transformers model, shaped from its config.
 
     ``pixel_values`` from the vision config (channels, image size), ``input_ids`` (and
-    ``attention_mask``, ``token_type_ids``, ``position_ids``) from the text config (vocabulary,
-    ``seq_len``: default 8, at most the positions it has), ``input_features`` from the audio config
-    (CLAP: ``spec_size`` x ``num_mel_bins``; Whisper-like: ``num_mel_bins`` x 2 ``max_source_positions``).
+    ``attention_mask``, ``token_type_ids``, ``position_ids``) from the text config (vocabulary;
+    ``seq_len`` tokens, default the config's ``max_position_embeddings``, at most :data:`MAX_TEXT_LEN`:
+    :func:`build_hf` passes :func:`hf_text_length`, which knows the model's reserved positions),
+    ``input_features`` from the audio config (CLAP: ``spec_size`` x ``num_mel_bins``; Whisper-like:
+    ``num_mel_bins`` x 2 ``max_source_positions``).
     """
     gen = torch.Generator().manual_seed(seed)
     text = _sub(config, "text_config")
     vision = _sub(config, "vision_config")
     audio = _sub(config, "audio_config")
-    max_pos = int(getattr(text, "max_position_embeddings", None) or 16)
-    length = seq_len or min(8, max_pos - 2 if max_pos > 4 else max_pos)  # RoBERTa-like: 2 positions fewer
+    length = seq_len or min(int(getattr(text, "max_position_embeddings", None) or 16), MAX_TEXT_LEN)
     size = getattr(vision, "image_size", 32)
     hw = (size, size) if isinstance(size, int) else tuple(size)
     out: dict[str, torch.Tensor] = {}
@@ -498,7 +518,8 @@ def build_hf(
         Forward parameters to feed (in this order) and output fields to return (null: every tensor
         output).
     batch_size, seq_len, seed
-        The example batch, the text length, and the seed of the weights and inputs.
+        The example batch, the text length (null: :func:`hf_text_length`, the model's context), and the seed
+        of the weights and inputs.
 
     Raises
     ------
@@ -543,7 +564,7 @@ def build_hf(
                 f"model.config={config!r}: {config_cls.__name__} / {cls} refused it: {type(e).__name__}: {e}"
             ) from e
     model.eval()
-    example = hf_example_inputs(model.config, inputs, batch_size, seq_len=seq_len, seed=seed)
+    example = hf_example_inputs(model.config, inputs, batch_size, seq_len=seq_len or hf_text_length(model), seed=seed)
     try:
         with torch.no_grad():
             out = model(**example, return_dict=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcsplit.errors import ConfigError, HpcsplitError
-from hpcsplit.switchboard.models import build_factory, build_hf
+from hpcsplit.switchboard.models import MAX_TEXT_LEN, build_factory, build_hf, hf_text_length
 from hpcsplit.switchboard.stage import FactoryModelSettings, HFModelSettings, model_settings, run_export
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +133,30 @@ def test_hf_builds_from_a_config_with_inputs_from_it() -> None:
     import inspect
 
     assert list(inspect.signature(model.forward).parameters) == ["pixel_values", "input_ids"]
+
+
+def _text(positions: int) -> dict[str, Any]:
+    return {"text_config": {**TINY["text_config"], "max_position_embeddings": positions},
+            "vision_config": TINY["vision_config"]}
+
+
+def test_hf_text_length_defaults_to_the_models_context() -> None:
+    # CLIP and SigLIP: every position takes a token (CLIP's 77, SigLIP's 64 at full size)
+    for cls in ("CLIPModel", "SiglipModel"):
+        _, (_, ids) = build_hf(cls, config=_text(12), inputs=["pixel_values", "input_ids"], batch_size=2)
+        assert tuple(ids.shape) == (2, 12), cls
+    # CLAP's text tower is RoBERTa-style: positions start after padding_idx (1), so 2 fewer tokens fit
+    from tests.zoo.families import HF
+
+    clap = HF["clap"][1]
+    assert clap["text_config"]["max_position_embeddings"] == 18
+    model, (_, ids) = build_hf("ClapModel", config=clap, inputs=["input_features", "input_ids"], batch_size=2)
+    assert tuple(ids.shape) == (2, 16) and hf_text_length(model.model) == 16
+    # a long context is capped; model.seq_len wins over the default
+    _, (_, ids) = build_hf("CLIPModel", config=_text(MAX_TEXT_LEN + 88), inputs=["pixel_values", "input_ids"])
+    assert ids.shape[1] == MAX_TEXT_LEN
+    _, (_, ids) = build_hf("CLIPModel", config=_text(12), inputs=["pixel_values", "input_ids"], seq_len=7)
+    assert ids.shape[1] == 7
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Shared parts of the multi-node tests: the two-node dev cluster (``slurm/dev-cluster.sh up --nodes 2``,
-``cluster=dev2``), plans over both nodes, and the UCX lines that show MPI took TCP between the nodes."""
+``cluster=dev2``), plans over both nodes, and the libfabric lines that show MPI took TCP between the nodes."""
 
 from __future__ import annotations
 
@@ -79,24 +79,19 @@ def two_node_plan(sb_dir: Path, path: Path, nodes: Sequence[Sequence[str]], batc
     return len(ranks)
 
 
-# UCX_PROTO_INFO=y: each rank prints the protocol table of every endpoint it opens, e.g.
-#   [1796150007.16] [node1:12359:0]   | ucp_context_0 inter-node cfg#1 | tagged message by ucp_tag_send* ...
-#   [1796150007.16] [node1:12359:0]   |                  1..65528 | eager zero-copy copy-out  | tcp/eth0 |
-_UCX_HEAD = re.compile(r"\[(\S+?):\d+\s*:\d+\]\s+\| ucp_context_\d+ (inter|intra)-node cfg#\d+ \| (tagged message[^|]*)")
-_UCX_ROW = re.compile(r"\[(\S+?):\d+\s*:\d+\]\s+\|\s+[0-9.]+[KMG]?(?:\.\.)?\S*\s+\|[^|]+\|\s*(\S+)\s*\|")
+# What shows the MPI traffic between the nodes went over TCP (cluster=dev2: MPICH's OFI netmod, libfabric's tcp
+# provider): with MPIR_CVAR_DEBUG_SUMMARY=1 rank 0 prints the provider and its network,
+#   libfabric provider: tcp - 10.213.0.0/24
+# and with FI_LOG_LEVEL=info (FI_LOG_PROV=tcp) every rank's libfabric logs the address its endpoint binds,
+#   libfabric:1234:1796298077:ofi_rxm:tcp:core:util_getinfo_ifs():425<info> Chosen addr for using: 10.213.0.12, ...
+# Ranks on one node talk through MPICH's shared memory; ranks on two nodes (private /dev/shm, PMI's process
+# mapping) only through the provider.
+OFI_TRACE = {"MPIR_CVAR_DEBUG_SUMMARY": "1", "FI_LOG_LEVEL": "info", "FI_LOG_PROV": "tcp"}
+_OFI_PROVIDER = re.compile(r"^libfabric provider: (\S+) - (\S+)", re.MULTILINE)
+_OFI_ADDR = re.compile(r"Chosen addr for using: ([0-9.]+),")
 
 
-def tcp_between_nodes(logs: Sequence[Path]) -> dict[str, set[str]]:
-    """host -> the transports its ranks chose for inter-node tagged messages (MPI sends), from UCX_PROTO_INFO."""
-    out: dict[str, set[str]] = {}
-    for log in logs:
-        inter = False
-        for line in log.read_text(errors="replace").splitlines():
-            if m := _UCX_HEAD.search(line):
-                inter = m.group(2) == "inter"
-                continue
-            if "ucp_context" in line:
-                inter = False
-            elif inter and (m := _UCX_ROW.search(line)):
-                out.setdefault(m.group(1), set()).add(m.group(2))
-    return out
+def ofi_over_tcp(logs: Sequence[Path]) -> tuple[set[tuple[str, str]], set[str]]:
+    """(provider, network) pairs rank 0 reported, and the addresses the ranks' endpoints bound (OFI_TRACE)."""
+    text = "".join(p.read_text(errors="replace") for p in logs)
+    return set(_OFI_PROVIDER.findall(text)), set(_OFI_ADDR.findall(text))

@@ -1,5 +1,5 @@
 """``python -m hpcsplit.bench transport --slurm``: both ranks on one node, then a rank on each of the two nodes of
-the dev cluster, printed side by side; the two-node run's UCX log shows its messages went over TCP.
+the dev cluster, printed side by side; the two-node run's libfabric log shows its messages went over TCP.
 
 Skipped unless two SLURM nodes are up.
 """
@@ -22,16 +22,16 @@ def test_transport_bench_one_node_beside_two_nodes(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "hpcsplit.bench", "transport", "--slurm", "--cluster", "dev2", "--out", str(out),
          "--sizes", "4K,1M", "--iters", "8", "--timeout-s", "300"],
-        cwd=mn.REPO, env=mn.env(UCX_PROTO_INFO="y"), capture_output=True, text=True, timeout=700, check=False)
+        cwd=mn.REPO, env=mn.env(**mn.OFI_TRACE), capture_output=True, text=True, timeout=700, check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     one = json.loads((out / "transport_1node.json").read_text())
     two = json.loads((out / "transport_2node.json").read_text())
     assert len(set(one["hosts"])) == 1 and set(one["hosts"]) <= set(mn.NODES), one["hosts"]
     assert len(set(two["hosts"])) == 2 and set(two["hosts"]) <= set(mn.NODES), two["hosts"]
-    # the ranks on different nodes talked over TCP (each has its own boot_id, so UCX takes the network)
-    tcp = mn.tcp_between_nodes([out / "transport_2node.log"])
-    assert tcp and all(any(t.startswith("tcp/") for t in ts) for ts in tcp.values()), tcp
-    assert not mn.tcp_between_nodes([out / "transport_1node.log"])  # one node: no inter-node endpoint
+    # the ranks on different nodes talked through libfabric's tcp provider, bound on both nodes' addresses
+    providers, addresses = mn.ofi_over_tcp([out / "transport_2node.log"])
+    assert providers == {("tcp", str(mn.bridge_network()))} and len(addresses) == 2, (providers, addresses)
+    assert len(mn.ofi_over_tcp([out / "transport_1node.log"])[1]) == 1  # one node: one address
     with (out / "transport_nodes.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [int(r["bytes"]) for r in rows] == [4096, 1 << 20]

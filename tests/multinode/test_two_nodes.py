@@ -2,7 +2,7 @@
 
 * ``stage=probe``: ranks on both nodes, each reporting its own node's hostname and address;
 * ``stage=serve`` (batch mode) for the toy MLP and tiny CLIP with components on both nodes: outputs equal to
-  the whole model, and the ranks' UCX logs show the MPI sends between the nodes going over TCP (eth0);
+  the whole model, and the ranks' libfabric logs show the MPI traffic between the nodes going over TCP;
 * ``stage=bench``: the same, and component ranks woken over the UDP doorbell stay under 2% of a core.
 
 Skipped unless two SLURM nodes are up.
@@ -47,17 +47,16 @@ def _serve(tmp_path: Path, sb_dir: Path, nodes: list[list[str]], n_inputs: int, 
     run = tmp_path / "run"
     res = mn.hpcsplit(run, f"stage={stage}", f"plan={tmp_path / 'plan.json'}", f"switchboard={sb_dir}",
                       f"runtime.input_path={tmp_path / 'in.npz'}", f"runtime.output_path={tmp_path / 'out.npz'}",
-                      *args, UCX_PROTO_INFO="y")
+                      *args, **mn.OFI_TRACE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads((run / "runtime.mpi_main.result.json").read_text()), run
 
 
 def _assert_tcp_between_nodes(run: Path) -> None:
-    logs = sorted((run / "slurm").glob("*_log.*"))
-    tls = mn.tcp_between_nodes(logs)
-    # ranks on both nodes opened endpoints to the other node, and UCX took TCP on eth0 (the veth) for them
-    assert len(tls) == 2 and set(tls) <= set(mn.NODES), tls
-    assert all(t == {"tcp/eth0"} for t in tls.values()), tls
+    providers, addresses = mn.ofi_over_tcp(sorted((run / "slurm").glob("*_log.*")))
+    # MPI took libfabric's tcp provider on the bridge, and ranks bound endpoints on both nodes' addresses
+    assert providers == {("tcp", str(mn.bridge_network()))}, providers
+    assert len(addresses) == 2 and all(ipaddress.IPv4Address(a) in mn.bridge_network() for a in addresses), addresses
 
 
 @pytest.mark.parametrize("model", ["toy_mlp", pytest.param("clip_tiny", marks=pytest.mark.slow)])

@@ -51,6 +51,7 @@ from hpcsplit.core.mpi import MPI, get_comm, mpi_library_version
 from hpcsplit.core.settings import conf_dir, group_defaults
 from hpcsplit.errors import ConfigError, HpcsplitError
 from hpcsplit.launch.local import find_mpiexec
+from hpcsplit.launch.slurm import site_options
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.mailbox import Inbox
 from hpcsplit.runtime.transport import cuda_aware_mpi
@@ -294,10 +295,8 @@ def _srun_command(cluster: ClusterSpec, nodes: int, args: argparse.Namespace, js
     srun = ["srun", "--nodes", str(nodes), "--ntasks", "2", "--ntasks-per-node", str(2 // nodes),
             "--cpus-per-task", "1", f"--mpi={sl.srun_mpi}", f"--time={args.time_min}", "--kill-on-bad-exit=1",
             "--job-name", f"hpcsplit-transport-{nodes}n"]
-    for flag, value in (("--partition", sl.partition), ("--account", sl.account), ("--qos", sl.qos),
-                        ("--constraint", sl.constraint)):
-        if value:
-            srun += [flag, str(value)]
+    for key, value in site_options(sl).items():
+        srun += [f"--{key}", value]
     srun += [sys.executable, "-m", "hpcsplit.bench", "transport", "--iters", str(args.iters), "--sizes", args.sizes,
              "--json", str(json_path)]
     script = "\n".join(["set -e", *sl.setup, "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", "exec " + shlex.join(srun)])

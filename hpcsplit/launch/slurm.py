@@ -79,6 +79,7 @@ __all__ = [
     "requeueable",
     "run_mpi_slurm",
     "sbatch_text",
+    "site_options",
     "startup_failed",
     "submit",
     "wait_for_job",
@@ -175,6 +176,12 @@ JobGeometry(nodes=1, tasks_per_node=1, ntasks=1))
     return JobGeometry(nodes, tpn, ranks)
 
 
+def site_options(slurm: SlurmSpec) -> dict[str, str]:
+    """The site's own job options of a ``slurm:`` block that are set: partition, account, qos, constraint."""
+    return {key: str(value) for key in ("partition", "account", "qos", "constraint")
+            if (value := getattr(slurm, key))}
+
+
 def hostfile_setup(counts: list[int], hostfile: str) -> list[str]:
     """Bash lines (in the job, before ``srun``) writing ``SLURM_HOSTFILE``: ``counts[i]`` lines naming the i-th
     node of the allocation, in rank order, for ``srun --distribution=arbitrary``.
@@ -223,10 +230,7 @@ def executor_parameters(
         "wckey": None,
         "setup": list(slurm.setup),
     }
-    for key in ("partition", "account", "qos", "constraint"):
-        value = getattr(slurm, key)
-        if value:
-            params[key] = str(value)
+    params.update(site_options(slurm))
     if slurm.gpus_per_node:
         params["gpus_per_node"] = int(slurm.gpus_per_node)
     if slurm.mem_gb:

@@ -78,17 +78,21 @@ def _requeue_case(tmp_path: Path, switchboards: Callable[..., Path], seed: int,
 
 
 def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
-    _, sb, run, world, x = _requeue_case(tmp_path, switchboards, seed=3, batch=32)
+    # batch 4 and at most 32 requests in flight: a few thousand rows a second, so the signal, sent once a
+    # twentieth of the rows is done, lands while most of them are still to serve (at batch 32 and 256 in
+    # flight a fast machine served all 30 000 rows in 2.5 s, before the signal arrived)
+    _, sb, run, world, x = _requeue_case(tmp_path, switchboards, seed=3, batch=4)
     log = run / "job.out"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HPCSPLIT_PYTHON=sys.executable,
                HPCSPLIT_ROOT=str(REPO))
     sub = subprocess.run(
         ["sbatch", "--parsable", f"--ntasks={world}", "--time=10", f"--output={log}", str(REPO / "slurm/infer.sbatch"),
          str(run), f"runtime.input_path={tmp_path / 'in.h5'}", f"runtime.output_path={tmp_path / 'out.h5'}",
-         "runtime.progress_s=1", "runtime.max_inflight=256", "runtime.chunk_rows=8192"],
+         "runtime.progress_s=0.2", "runtime.max_inflight=32", "runtime.chunk_rows=2048"],
         cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
+    signalled_at = 0
     try:
         queued = time.monotonic() + 900  # a shared dev cluster may run other jobs first
         while time.monotonic() < queued and _job_state(int(job)) == "PENDING":
@@ -97,11 +101,12 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
         prog = run / "batch-progress.txt"
         while time.monotonic() < deadline:
             text = prog.read_text() if prog.exists() else ""
-            if text and int(text.split("batch progress: ")[1].split("/")[0]) >= N // 5:
+            if text and (signalled_at := int(text.split("batch progress: ")[1].split("/")[0])) >= N // 20:
                 break
             assert _job_state(int(job)) not in FINISHED, log.read_text() if log.exists() else "no log"
-            time.sleep(0.5)
+            time.sleep(0.1)
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # as --signal=USR2@60 would
+        print(f"\nUSR2 sent with {signalled_at} of {N} rows done")
         deadline = time.monotonic() + 300  # the requeue, SLURM's hold, and the second run
         released = False
         while time.monotonic() < deadline:

@@ -27,6 +27,18 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 N = 30_000
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+# Both requeue tests send USR2 once a twentieth of the rows is done, and run slowly enough (batch 4, at
+# most 32 requests in flight: a few thousand rows a second) for it to land while most rows are still to
+# serve: at batch 32 with 256 in flight a fast machine served all N rows in 2.5 s, before the signal came.
+SIGNAL_AT = N // 20
+SLOW_RUN = ("runtime.progress_s=0.2", "runtime.max_inflight=32", "runtime.chunk_rows=2048")
+
+
+def _rows_done(run: Path) -> int:
+    """Rows done so far, from the job's progress file (0 before its first line)."""
+    prog = run / "batch-progress.txt"
+    text = prog.read_text() if prog.exists() else ""
+    return int(text.split("batch progress: ")[1].split("/")[0]) if text else 0
 
 
 def _check_resumed(run: Path, sb: Any, x: np.ndarray, out: Path, what: str) -> None:
@@ -78,9 +90,6 @@ def _requeue_case(tmp_path: Path, switchboards: Callable[..., Path], seed: int,
 
 
 def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchboards: Callable[..., Path]) -> None:
-    # batch 4 and at most 32 requests in flight: a few thousand rows a second, so the signal, sent once a
-    # twentieth of the rows is done, lands while most of them are still to serve (at batch 32 and 256 in
-    # flight a fast machine served all 30 000 rows in 2.5 s, before the signal arrived)
     _, sb, run, world, x = _requeue_case(tmp_path, switchboards, seed=3, batch=4)
     log = run / "job.out"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HPCSPLIT_PYTHON=sys.executable,
@@ -88,7 +97,7 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
     sub = subprocess.run(
         ["sbatch", "--parsable", f"--ntasks={world}", "--time=10", f"--output={log}", str(REPO / "slurm/infer.sbatch"),
          str(run), f"runtime.input_path={tmp_path / 'in.h5'}", f"runtime.output_path={tmp_path / 'out.h5'}",
-         "runtime.progress_s=0.2", "runtime.max_inflight=32", "runtime.chunk_rows=2048"],
+         *SLOW_RUN],
         cwd=REPO, env=env, capture_output=True, text=True, check=False, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
@@ -98,10 +107,8 @@ def test_usr2_requeues_and_continues_from_the_rows_done(tmp_path: Path, switchbo
         while time.monotonic() < queued and _job_state(int(job)) == "PENDING":
             time.sleep(1)
         deadline = time.monotonic() + 400
-        prog = run / "batch-progress.txt"
         while time.monotonic() < deadline:
-            text = prog.read_text() if prog.exists() else ""
-            if text and (signalled_at := int(text.split("batch progress: ")[1].split("/")[0])) >= N // 20:
+            if (signalled_at := _rows_done(run)) >= SIGNAL_AT:
                 break
             assert _job_state(int(job)) not in FINISHED, log.read_text() if log.exists() else "no log"
             time.sleep(0.1)
@@ -144,19 +151,17 @@ def test_submitit_batch_job_usr2_requeues_and_continues(tmp_path: Path, switchbo
         [sys.executable, "-m", "hpcsplit", "stage=serve", "runtime.mode=batch", "launcher=slurm", "cluster=dev",
          "launcher.poll_s=1", "launcher.poll_max_s=2", f"plan={run / 'plan.json'}", f"switchboard={sb_dir}",
          f"runtime.input_path={tmp_path / 'in.h5'}", f"runtime.output_path={tmp_path / 'out.h5'}",
-         "runtime.progress_s=0.2", "runtime.max_inflight=32", "runtime.chunk_rows=2048", f"hydra.run.dir={run}"],
+         *SLOW_RUN, f"hydra.run.dir={run}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job = None
     try:
         deadline = time.monotonic() + 600
-        prog = run / "batch-progress.txt"
         while time.monotonic() < deadline and proc.poll() is None:
             logs = sorted((run / "slurm").glob("*_0_log.out")) if (run / "slurm").exists() else []
             if logs and job is None:
                 job = re.match(r"(\d+)_", logs[0].name).group(1)  # type: ignore[union-attr]
-            text = prog.read_text() if prog.exists() else ""
-            if job and text and int(text.split("batch progress: ")[1].split("/")[0]) >= N // 20:
-                break  # (as in the test above: the signal lands while most rows are still to serve)
+            if job and _rows_done(run) >= SIGNAL_AT:
+                break
             time.sleep(0.1)
         assert job is not None and proc.poll() is None, proc.communicate(timeout=60)[0][-3000:]
         subprocess.run(["scancel", "--signal=USR2", job], check=True)

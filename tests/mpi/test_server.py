@@ -430,6 +430,8 @@ def test_queue_full_and_request_timeout(tmp_path: Path, toy_sb: Path) -> None:
         first.join(30)
         second.join(30)
         assert results[0][0] == 504 and "request_timeout_s" in results[0][1]["error"]
+        # the queued one is answered at its own deadline, whether it got into the pipeline or not
+        assert results[1][0] == 504 and "request_timeout_s" in results[1][1]["error"]
         assert _metric(srv, 'hpcsplit_requests_total{outcome="busy"') == 1
     finally:
         assert srv.stop() == 0, srv.log.read_text()[-3000:]

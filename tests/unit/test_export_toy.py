@@ -92,6 +92,31 @@ def test_unload_drops_the_cached_program(sb: Switchboard) -> None:
     assert all(torch.equal(a, b) for a, b in zip(fn(*x), again(*x), strict=True))
 
 
+def test_components_run_their_graph_flat_and_keep_checking_inputs(sb: Switchboard) -> None:
+    """A component runs its graph's own code (no pytree flatten / unflatten around it) and gives what the
+    module's generated forward gives; the input check skips only (dtype, shape) signatures that passed."""
+    from hpcsplit.switchboard.reader import _flat_forward
+
+    spec = sb.components["mixer"]
+    mod = sb._load_program(spec, "mixer").module()
+    xs = sb.component_example_inputs(3)["mixer"]
+    want = mod.forward(*xs)
+    flat = _flat_forward(mod, len(spec.inputs), len(spec.outputs))
+    assert flat is not None and "tree_flatten" not in mod.code and "tree_unflatten" not in mod.code
+    got = flat(*xs)
+    assert type(got) is tuple and len(got) == len(spec.outputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want if isinstance(want, tuple) else (want,), strict=True))
+    assert _flat_forward(sb._load_program(spec, "mixer").module(), len(spec.inputs) + 1, len(spec.outputs)) is None
+    fn = sb.load_component("mixer")
+    for _ in range(2):  # the second call of a shape comes from the signatures that passed
+        assert all(torch.equal(a, b) for a, b in zip(fn(*xs), got, strict=True))
+    bad = [(xs[0][:, :5], xs[1]), (xs[0], xs[1][:2]), (xs[0].double(), xs[1]), (xs[0],)]
+    for args in bad:
+        with pytest.raises(ValueError, match="mixer"):
+            fn(*args)
+    assert len(fn(*(x[:1] for x in xs))[0]) == 1  # a new batch size passes the check and runs
+
+
 def test_example_inputs_follow_the_batch(sb: Switchboard) -> None:
     ex = sb.component_example_inputs(7)
     assert list(ex) == TOY_ORDER

@@ -75,3 +75,40 @@ def test_encode_binary_and_json() -> None:
     r = decode_http(SPEC, _req([_x(), _ids()]), None)
     body, n = encode_http(SPEC, r, [y])
     assert n is None and json.loads(body)["outputs"][0]["data"] == [1.0, 1.0]
+
+
+def test_repeated_binary_headers_decode_from_the_plan_and_still_check_sizes() -> None:
+    """A client's repeated header is parsed once (decode_http's plans): the same request comes out, the body's
+    binary part is still read per request, and a body of another length is checked afresh."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ids = np.array([[1, 2], [3, 4]], np.int64)
+    head = _req([{"name": "x", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}},
+                 {"name": "ids", "datatype": "INT64", "shape": [2, 2], "parameters": {"binary_data_size": 32}}],
+                outputs=[{"name": "y", "parameters": {"binary_data": True}}], id="r7")
+    plans: dict = {}
+    for k in range(3):
+        body = head + (x + k).tobytes() + (ids + k).tobytes()
+        r = decode_http(SPEC, body, len(head), plans)
+        plain = decode_http(SPEC, body, len(head))
+        assert len(plans) == 1 and (r.id, r.batch, r.outputs, r.binary) == (plain.id, 2, [0], [True])
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(r.arrays, plain.arrays, strict=True))
+        np.testing.assert_array_equal(r.arrays[0], x + k)
+    with pytest.raises(RequestRejected, match="not claimed"):
+        decode_http(SPEC, head + x.tobytes() + ids.tobytes() + b"extra", len(head), plans)
+    with pytest.raises(RequestRejected, match="does not fit"):
+        decode_http(SPEC, head + x.tobytes(), len(head), plans)
+    json_body = _req([_x(), _ids()])  # JSON data: its values are in the header, nothing is kept
+    decode_http(SPEC, json_body, len(json_body), plans)
+    assert len(plans) == 1
+
+
+def test_repeated_binary_answers_reuse_their_json_part() -> None:
+    r = decode_http(SPEC, _req([_x(), _ids()], parameters={"binary_data_output": True}), None)
+    heads: dict = {}
+    for k in range(3):
+        y = np.full((2, 1), k, np.float32)
+        assert encode_http(SPEC, r, [y], heads) == encode_http(SPEC, r, [y])
+    assert len(heads) == 1
+    y = np.ones((1, 1), np.float32)  # another shape: another JSON part
+    body, n = encode_http(SPEC, r, [y], heads)
+    assert n is not None and json.loads(body[:n])["outputs"][0]["shape"] == [1, 1] and len(heads) == 2

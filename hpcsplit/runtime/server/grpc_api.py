@@ -34,7 +34,7 @@ _CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_
              "FP32": "fp32_contents", "FP64": "fp64_contents"}
 
 
-def make_handler(hub: Hub, timeout_s: float, version: str) -> grpc.GenericRpcHandler:
+def make_handler(hub: Hub, version: str) -> grpc.GenericRpcHandler:
     """The generic handler serving ``hub``'s model."""
     spec = hub.spec
 
@@ -131,12 +131,7 @@ def make_handler(hub: Hub, timeout_s: float, version: str) -> grpc.GenericRpcHan
 
     async def infer(r: Any, _: Any) -> Any:
         req = decode(r)
-        ticket = hub.submit(req, "grpc")
-        try:
-            async with asyncio.timeout(timeout_s):  # cancels the ticket's future only: the loop skips it
-                outputs = await ticket.future
-        except TimeoutError:
-            raise RequestRejected(f"no answer within {timeout_s:g} s", 504, "DEADLINE_EXCEEDED") from None
+        outputs = await hub.submit(req, "grpc").future  # answered by the frontend loop (http_api's infer)
         resp = pb.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=req.id)
         for j in req.outputs:
             t, a = spec.outputs[j], outputs[j]

@@ -159,7 +159,7 @@ class ModelSpec:
             out.append(known.index(n))
         return out
 
-    def from_bytes(self, t: TensorInfo, shape: Sequence[int], raw: bytes) -> np.ndarray:
+    def from_bytes(self, t: TensorInfo, shape: Sequence[int], raw: bytes | memoryview) -> np.ndarray:
         want = math.prod(shape) * t.dtype.itemsize
         if len(raw) != want:
             raise RequestRejected(f"input {t.name!r}: expected {want} bytes of {t.datatype} for shape {list(shape)}, "
@@ -207,8 +207,37 @@ def parse_json_header(body: bytes, header_len: int | None) -> tuple[dict[str, An
     return req, mv[header_len:] if header_len is not None else mv[len(mv):]
 
 
-def decode_http(spec: ModelSpec, body: bytes, header_len: int | None) -> InferRequest:
-    """An HTTP infer body (JSON, or JSON + binary tensors) -> a checked :class:`InferRequest`."""
+@dataclass(frozen=True, slots=True)
+class _BinaryPlan:
+    """What a binary-only infer header says, once checked: each model input's place in the binary part
+    (offset, byte count, dtype, shape), and the request's batch, outputs and id."""
+
+    places: tuple[tuple[int, int, np.dtype, tuple[int, ...]], ...]
+    batch: int
+    outputs: list[int]
+    binary: list[bool]
+    id: str
+
+
+_PLAN_MAX_HEAD = 8192  # header bytes a plan is kept for
+_PLAN_MAX = 256  # plans kept per cache
+
+
+def decode_http(spec: ModelSpec, body: bytes, header_len: int | None,
+                plans: dict[bytes, _BinaryPlan] | None = None) -> InferRequest:
+    """An HTTP infer body (JSON, or JSON + binary tensors) -> a checked :class:`InferRequest`.
+
+    ``plans``: a cache (owned by the caller, one per served model) of what binary-only headers said.  A
+    client sends the same JSON header with every request of one shape (perf_analyzer, tritonclient), and
+    identical bytes parse and check the same: then only the tensors are read (about 4 us instead of 25).
+    The key is the header's bytes and the body's length, so the binary part's size is checked as well.
+    """
+    key = None
+    if plans is not None and header_len is not None and 0 <= header_len <= min(len(body), _PLAN_MAX_HEAD):
+        key = body[:header_len] + len(body).to_bytes(8, "little")
+        plan = plans.get(key)
+        if plan is not None:
+            return _from_plan(plan, memoryview(body)[header_len:])
     req, rest = parse_json_header(body, header_len)
     ins = req.get("inputs")
     if not isinstance(ins, list) or not all(isinstance(x, dict) for x in ins):
@@ -223,27 +252,30 @@ def decode_http(spec: ModelSpec, body: bytes, header_len: int | None) -> InferRe
         given[name] = (x.get("datatype"), shape)
     batch = spec.check_inputs(given)
     by_name = {x["name"]: x for x in ins}
-    arrays = []
-    off = 0
     # binary tensors follow the JSON in the order of the request's inputs
-    order = {x["name"]: i for i, x in enumerate(ins)}
-    raw_of: dict[str, bytes] = {}
-    for x in sorted(ins, key=lambda x: order[x["name"]]):
+    off = 0
+    where: dict[str, tuple[int, int]] = {}
+    for x in ins:
         params = x.get("parameters") or {}
         size = params.get("binary_data_size") if isinstance(params, dict) else None
         if size is not None:
-            if not isinstance(size, int) or size < 0 or off + size > len(rest):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 or off + size > len(rest):
                 raise RequestRejected(f"input {x['name']!r}: binary_data_size {size!r} does not fit the "
                                       f"{len(rest) - off} bytes left in the body")
-            raw_of[x["name"]] = bytes(rest[off:off + size])
+            where[x["name"]] = (off, size)
             off += size
     if off != len(rest):
         raise RequestRejected(f"{len(rest) - off} bytes after the binary inputs are not claimed by any input")
+    arrays = []
+    places = []
     for t in spec.inputs:
         x = by_name[t.name]
         shape = x["shape"]
-        if t.name in raw_of:
-            arrays.append(spec.from_bytes(t, shape, raw_of[t.name]))
+        if t.name in where:
+            o, size = where[t.name]
+            a = spec.from_bytes(t, shape, rest[o:o + size])
+            arrays.append(a)
+            places.append((o, size, a.dtype, a.shape))
         elif "data" in x:
             arrays.append(spec.from_list(t, shape, x["data"]))
         else:
@@ -259,11 +291,33 @@ def decode_http(spec: ModelSpec, body: bytes, header_len: int | None) -> InferRe
         p = outs[k].get("parameters") if outs else None
         binary.append(bool(p.get("binary_data", default_bin)) if isinstance(p, dict) else default_bin)
     rid = req.get("id", "")
-    return InferRequest(str(rid) if isinstance(rid, str | int) else "", arrays, batch, idx, binary)
+    rid = str(rid) if isinstance(rid, str | int) else ""
+    if key is not None and plans is not None and len(places) == len(spec.inputs):
+        if len(plans) >= _PLAN_MAX:  # clients whose headers differ every time (ids): start over
+            plans.clear()
+        plans[key] = _BinaryPlan(tuple(places), batch, idx, binary, rid)
+    return InferRequest(rid, arrays, batch, idx, binary)
 
 
-def encode_http(spec: ModelSpec, req: InferRequest, outputs: Sequence[np.ndarray]) -> tuple[bytes, int | None]:
-    """The response body and, when binary tensors follow the JSON, the JSON's length."""
+def _from_plan(plan: _BinaryPlan, rest: memoryview) -> InferRequest:
+    arrays = [np.frombuffer(rest, dtype=dt, count=size // dt.itemsize, offset=o).reshape(shape)
+              for o, size, dt, shape in plan.places]
+    return InferRequest(plan.id, arrays, plan.batch, list(plan.outputs), list(plan.binary))
+
+
+def encode_http(spec: ModelSpec, req: InferRequest, outputs: Sequence[np.ndarray],
+                heads: dict[tuple[Any, ...], bytes] | None = None) -> tuple[bytes, int | None]:
+    """The response body and, when binary tensors follow the JSON, the JSON's length.
+
+    ``heads``: a cache (the caller's) of the JSON part of all-binary answers, by request id, outputs and
+    their shapes and sizes (the same for every answer to requests of one shape).
+    """
+    key = None
+    if heads is not None and all(req.binary):
+        key = (req.id, tuple(req.outputs), *((outputs[j].shape, outputs[j].nbytes) for j in req.outputs))
+        head = heads.get(key)
+        if head is not None:
+            return b"".join([head, *(np.ascontiguousarray(outputs[j]).tobytes() for j in req.outputs)]), len(head)
     items = []
     blobs = []
     for j, b in zip(req.outputs, req.binary, strict=True):
@@ -280,4 +334,8 @@ def encode_http(spec: ModelSpec, req: InferRequest, outputs: Sequence[np.ndarray
                        "outputs": items}, separators=(",", ":")).encode()
     if not blobs:
         return head, None
+    if key is not None and heads is not None:
+        if len(heads) >= _PLAN_MAX:
+            heads.clear()
+        heads[key] = head
     return b"".join([head, *blobs]), len(head)

@@ -22,8 +22,9 @@ Checked requests come through the :class:`~hpcsplit.runtime.server.hub.Hub`'s bo
 :func:`serve_requests`, which admits their samples (a request of batch N is N samples) into the same
 routing, batching and replicas as batch and bench mode (at most ``runtime.max_inflight`` samples in the
 pipeline), collects the outputs and answers each request once all its samples are back.  A request not
-answered ``runtime.request_timeout_s`` after its arrival is answered with an error (504) and its late
-outputs are dropped.
+answered ``runtime.request_timeout_s`` after its arrival (waiting in the queue or in the pipeline) is answered
+with an error (504) and its late outputs are dropped; when the loop ends, whatever still waits is
+answered (503).  That is the handlers' deadline: they wait on their ticket without a timer of their own.
 
 Stop: a stop signal (``[Note: stop signals]``: SIGTERM from scancel, SLURM preemption, the login side's
 Ctrl-C) makes readiness false and refuses new requests (503); what was accepted is finished within
@@ -88,10 +89,10 @@ def write_private(path: Path, text: str) -> None:
 class Servers:
     """The HTTP and gRPC servers on the frontend rank's event loop (``[Note: server mode]``)."""
 
-    def __init__(self, hub: Hub, host: str, http_port: int, grpc_port: int, max_body: int, timeout_s: float) -> None:
+    def __init__(self, hub: Hub, host: str, http_port: int, grpc_port: int, max_body: int) -> None:
         self.hub, self.host = hub, host
         self._want = (http_port, grpc_port)
-        self.max_body, self.timeout_s = max_body, timeout_s
+        self.max_body = max_body
         self.http_port = self.grpc_port = 0
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -110,7 +111,7 @@ class Servers:
                                     "server_grpc_port; 0 picks free ones) or another runtime.server_host") from None
 
     async def _start(self) -> None:
-        app = make_app(self.hub, self.max_body, self.timeout_s, VERSION)
+        app = make_app(self.hub, self.max_body, VERSION)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._want[0], backlog=1024)
@@ -119,7 +120,7 @@ class Servers:
         opts = [("grpc.max_receive_message_length", self.max_body), ("grpc.max_send_message_length", 1 << 30),
                 ("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(options=opts)
-        self._grpc.add_generic_rpc_handlers((make_handler(self.hub, self.timeout_s, VERSION),))
+        self._grpc.add_generic_rpc_handlers((make_handler(self.hub, VERSION),))
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want[1]}")
         if not self.grpc_port:
             raise OSError(f"gRPC could not bind {self.host}:{self._want[1]}")
@@ -317,9 +318,13 @@ class ServeLoop:
                 worked = True
                 gone = set(job.rows)
                 self.pending = [r for r in self.pending if r not in gone]
-                self._drop(job, RequestRejected(f"request {job.ticket.req.id or job.rows[0]!r} was not answered "
-                                                f"within runtime.request_timeout_s={self.timeout_s:g} s", 504,
-                                                "DEADLINE_EXCEEDED"), "timeout")
+                self._drop(job, self._late(job.ticket.req.id or job.rows[0]), "timeout")
+            q = hub.queue  # requests still waiting for room in the pipeline (oldest first)
+            while q and now - q[0].t_arrival > self.timeout_s:
+                worked = True
+                t = q.popleft()
+                self.counts["failed"] += 1
+                hub.fail(t, self._late(t.req.id or "(queued)"), "timeout")
         # ---- drain
         if self.drain_at is not None:
             if not self.jobs and not hub.queue:
@@ -329,6 +334,17 @@ class ServeLoop:
                                                f"{rt.server_drain_s:g} s ran out)", 503, "UNAVAILABLE"))
                 self.done = True
         return worked
+
+    def _late(self, which: object) -> RequestRejected:
+        return RequestRejected(f"request {which!r} was not answered within runtime.request_timeout_s="
+                               f"{self.timeout_s:g} s", 504, "DEADLINE_EXCEEDED")
+
+    def abandon(self, why: str) -> None:
+        """Answer every request still waiting (503): the loop ends, and no handler may wait on a ticket
+        nobody will resolve (the handlers' wait has no timer of its own: this and the timeout scan are
+        its deadline)."""
+        if self.jobs or self.hub.queue:
+            self._fail_all(RequestRejected(why, 503, "UNAVAILABLE"))
 
     def pause(self, backoff: mb.Backoff) -> tuple[float, bool]:
         """The idle pause after a pass without work: ``(seconds, on the doorbell)`` (:meth:`Backoff.plan`)."""
@@ -433,7 +449,12 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
                 backoff.reset()
     finally:
         hub.on_submit = None
+        hub.draining.set()
         waker.close()
+        try:
+            sl.abandon("the server stopped before this request was answered")
+        except Exception as e:  # noqa: BLE001 - the loop's own error is the one that propagates
+            say(0, f"server: answering the requests left: {type(e).__name__}: {e}")
     return sl.counts
 
 
@@ -463,8 +484,7 @@ async def _run_server(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
         write_private(paths.server_token, token + "\n")
     host = rt.server_host or node_address(rt.doorbell_network)
     hub = Hub(spec, rt.server_queue, token)
-    srv = Servers(hub, host, rt.server_http_port, rt.server_grpc_port, int(rt.server_max_body_mb * (1 << 20)),
-                  rt.request_timeout_s + 5.0)
+    srv = Servers(hub, host, rt.server_http_port, rt.server_grpc_port, int(rt.server_max_body_mb * (1 << 20)))
     await srv.start()
     # all interfaces (only when asked): clients still need this node's own address
     shown = node_address(rt.doorbell_network) if host in ("0.0.0.0", "::") else host

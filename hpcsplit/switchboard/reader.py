@@ -299,7 +299,7 @@ def _flat_forward(mod: Any, n_in: int, n_out: int) -> Callable[..., tuple[torch.
     list or single tensor of ``n_out`` (then the caller keeps the module's own forward)."""
     in_spec, out_spec = getattr(mod, "_in_spec", None), getattr(mod, "_out_spec", None)
     codegen = getattr(getattr(mod, "graph", None), "_codegen", None)
-    if in_spec is None or out_spec is None or not isinstance(codegen, torch.fx.graph._PyTreeCodeGen):
+    if in_spec is None or out_spec is None or type(codegen) is not torch.fx.graph._PyTreeCodeGen:
         return None
     if in_spec != pytree.tree_flatten((tuple(range(n_in)), {}))[1]:
         return None
@@ -339,12 +339,12 @@ def _input_check(specs: Sequence[L.TensorSpec], what: str) -> Callable[[Sequence
     def check(xs: Sequence[Any]) -> None:
         if len(xs) != n:
             raise ValueError(f"{what} takes {n} input(s), got {len(xs)}")
-        try:
-            key = tuple([(x.dtype, x.shape) for x in xs])  # a served component sees a few batch sizes
-        except AttributeError:
+        try:  # a served component sees a few batch sizes
+            key: tuple[Any, ...] | None = tuple([(type(x), x.dtype, x.shape) for x in xs])
+            if key in seen:
+                return
+        except (AttributeError, TypeError):  # not tensors, or a shape that does not hash: the full check
             key = None
-        if key is not None and key in seen:
-            return
         batch = -1
         for x, (name, dt, nd, fixed, bdims, shape) in zip(xs, expect, strict=True):
             ok = isinstance(x, torch.Tensor) and x.dtype == dt and x.dim() == nd

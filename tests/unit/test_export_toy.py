@@ -110,7 +110,10 @@ def test_components_run_their_graph_flat_and_keep_checking_inputs(sb: Switchboar
     fn = sb.load_component("mixer")
     for _ in range(2):  # the second call of a shape comes from the signatures that passed
         assert all(torch.equal(a, b) for a, b in zip(fn(*xs), got, strict=True))
-    bad = [(xs[0][:, :5], xs[1]), (xs[0], xs[1][:2]), (xs[0].double(), xs[1]), (xs[0],)]
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(dtype=xs[0].dtype, shape=xs[0].shape)  # looks like a cached input, is none
+    bad = [(xs[0][:, :5], xs[1]), (xs[0], xs[1][:2]), (xs[0].double(), xs[1]), (xs[0],), (fake, xs[1])]
     for args in bad:
         with pytest.raises(ValueError, match="mixer"):
             fn(*args)

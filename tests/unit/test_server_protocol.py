@@ -97,9 +97,12 @@ def test_repeated_binary_headers_decode_from_the_plan_and_still_check_sizes() ->
         decode_http(SPEC, head + x.tobytes() + ids.tobytes() + b"extra", len(head), plans)
     with pytest.raises(RequestRejected, match="does not fit"):
         decode_http(SPEC, head + x.tobytes(), len(head), plans)
+    other = head.replace(b'"r7"', b'"r8"')  # same length, other bytes: its own plan
+    r8 = decode_http(SPEC, other + x.tobytes() + ids.tobytes(), len(other), plans)
+    assert r8.id == "r8" and len(plans) == 2
     json_body = _req([_x(), _ids()])  # JSON data: its values are in the header, nothing is kept
     decode_http(SPEC, json_body, len(json_body), plans)
-    assert len(plans) == 1
+    assert len(plans) == 2
 
 
 def test_repeated_binary_answers_reuse_their_json_part() -> None:
@@ -112,3 +115,29 @@ def test_repeated_binary_answers_reuse_their_json_part() -> None:
     y = np.ones((1, 1), np.float32)  # another shape: another JSON part
     body, n = encode_http(SPEC, r, [y], heads)
     assert n is not None and json.loads(body[:n])["outputs"][0]["shape"] == [1, 1] and len(heads) == 2
+
+
+def test_the_hub_answers_every_open_request_when_abandoned() -> None:
+    """Handlers wait on their ticket without a timer: when the frontend loop ends, Hub.abandon answers every
+    request still open, queued or taken, and none that was answered already."""
+    import asyncio
+
+    from hpcsplit.runtime.server.hub import Hub
+
+    async def main() -> None:
+        hub = Hub(SPEC, capacity=8, token=None)
+        hub.ready.set()
+        req = decode_http(SPEC, _req([_x(), _ids()]), None)
+        tickets = [hub.submit(req, "http") for _ in range(4)]
+        taken = hub.take(2)  # in the pipeline: no longer in the queue
+        hub.finish(taken[0], [np.zeros((2, 1), np.float32)])
+        err = RequestRejected("the server stopped", 503, "UNAVAILABLE")
+        assert hub.abandon(err) == 3 and not hub.open and not hub.queue
+        await asyncio.sleep(0)
+        assert tickets[0].future.result()[0].shape == (2, 1)
+        for t in tickets[1:]:
+            with pytest.raises(RequestRejected, match="stopped"):
+                t.future.result()
+        assert hub.abandon(err) == 0
+
+    asyncio.run(main())

@@ -33,7 +33,7 @@ __all__ = ["Hub", "Ticket"]
 _LATENCY_BUCKETS = (5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared and hashed by identity (the hub's set of open tickets)
 class Ticket:
     """One client request on its way: resolved with the output arrays or an error."""
 
@@ -109,6 +109,7 @@ class Hub:
         self.components: dict[tuple[str, int], list[int]] = {}
         r.register(_ComponentCollector(self))
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self.open: set[Ticket] = set()  # submitted, not yet answered (finish / fail): abandon() answers them
         self.on_submit: Callable[[], None] | None = None  # wakes the frontend loop when it pauses
 
     # ------------------------------------------------------------------ state
@@ -137,6 +138,7 @@ class Hub:
             err.counted = True
             raise err
         self.queue.append(t)
+        self.open.add(t)
         if self.on_submit is not None:
             self.on_submit()
         return t
@@ -173,6 +175,7 @@ class Hub:
         self.m_compute.observe(t.compute_us / 1e6)
         self.m_queue_wait.observe(t.t_admit - t.t_arrival)
         self.count(t, "ok")
+        self.open.discard(t)
         t.resolve(outputs)
 
     def fail(self, t: Ticket, err: RequestRejected, outcome: str = "error") -> None:
@@ -180,7 +183,21 @@ class Hub:
             self._add("fail", time.perf_counter() - t.t_arrival)
         self.count(t, outcome)
         err.counted = True
+        self.open.discard(t)
         t.resolve(err)
+
+    def abandon(self, err: RequestRejected) -> int:
+        """Answer ``err`` to every request not answered yet, each on its own (the frontend loop ended and
+        could not answer them: no handler may wait on a ticket nobody resolves); returns how many."""
+        left = list(self.open)
+        self.queue.clear()
+        for t in left:
+            try:
+                self.fail(t, err)
+            except Exception:  # noqa: BLE001 - the next one still gets its answer
+                self.open.discard(t)
+                t.resolve(err)
+        return len(left)
 
     def _add(self, key: str, seconds: float) -> None:
         s = self.stats[key]

@@ -214,8 +214,8 @@ class _BinaryPlan:
 
     places: tuple[tuple[int, int, np.dtype, tuple[int, ...]], ...]
     batch: int
-    outputs: list[int]
-    binary: list[bool]
+    outputs: tuple[int, ...]
+    binary: tuple[bool, ...]
     id: str
 
 
@@ -295,11 +295,12 @@ def decode_http(spec: ModelSpec, body: bytes, header_len: int | None,
     if key is not None and plans is not None and len(places) == len(spec.inputs):
         if len(plans) >= _PLAN_MAX:  # clients whose headers differ every time (ids): start over
             plans.clear()
-        plans[key] = _BinaryPlan(tuple(places), batch, idx, binary, rid)
+        plans[key] = _BinaryPlan(tuple(places), batch, tuple(idx), tuple(binary), rid)
     return InferRequest(rid, arrays, batch, idx, binary)
 
 
 def _from_plan(plan: _BinaryPlan, rest: memoryview) -> InferRequest:
+    # views of the body, at any alignment: the frontend copies them into the pipeline's batch (_get_inputs)
     arrays = [np.frombuffer(rest, dtype=dt, count=size // dt.itemsize, offset=o).reshape(shape)
               for o, size, dt, shape in plan.places]
     return InferRequest(plan.id, arrays, plan.batch, list(plan.outputs), list(plan.binary))
@@ -334,7 +335,7 @@ def encode_http(spec: ModelSpec, req: InferRequest, outputs: Sequence[np.ndarray
                        "outputs": items}, separators=(",", ":")).encode()
     if not blobs:
         return head, None
-    if key is not None and heads is not None:
+    if key is not None and heads is not None and len(head) <= _PLAN_MAX_HEAD:  # long ids are not kept
         if len(heads) >= _PLAN_MAX:
             heads.clear()
         heads[key] = head

@@ -323,6 +323,8 @@ class ServeLoop:
             while q and now - q[0].t_arrival > self.timeout_s:
                 worked = True
                 t = q.popleft()
+                self.counts["requests"] += 1
+                self.counts["samples"] += t.req.batch
                 self.counts["failed"] += 1
                 hub.fail(t, self._late(t.req.id or "(queued)"), "timeout")
         # ---- drain
@@ -342,9 +344,14 @@ class ServeLoop:
     def abandon(self, why: str) -> None:
         """Answer every request still waiting (503): the loop ends, and no handler may wait on a ticket
         nobody will resolve (the handlers' wait has no timer of its own: this and the timeout scan are
-        its deadline)."""
-        if self.jobs or self.hub.queue:
-            self._fail_all(RequestRejected(why, 503, "UNAVAILABLE"))
+        its deadline).  The jobs first (their rows leave the router), then whatever the hub still has
+        open, each on its own, even if a job could not be dropped."""
+        err = RequestRejected(why, 503, "UNAVAILABLE")
+        try:
+            if self.jobs:
+                self._fail_all(err)
+        finally:
+            self.hub.abandon(err)
 
     def pause(self, backoff: mb.Backoff) -> tuple[float, bool]:
         """The idle pause after a pass without work: ``(seconds, on the doorbell)`` (:meth:`Backoff.plan`)."""

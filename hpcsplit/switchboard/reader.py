@@ -113,18 +113,12 @@ class Switchboard:
             _match_program(ep, spec.inputs, spec.outputs, f"component {name!r}", spec.program)
             mod = _on_device(ep, device).module()
             check = _input_check(spec.inputs, f"component {name!r}")
-            flat = _flat_forward(mod, len(spec.inputs), len(spec.outputs))
+            forward = _flat_forward(mod, len(spec.inputs), len(spec.outputs)) or mod.forward
 
-            if flat is not None:
-                def run(*xs: torch.Tensor, _f: Any = flat, _c: Any = check) -> tuple[torch.Tensor, ...]:
-                    _c(xs)
-                    out = _f(*xs)
-                    return out if type(out) is tuple else tuple(out)
-            else:
-                def run(*xs: torch.Tensor, _f: Any = mod.forward, _c: Any = check) -> tuple[torch.Tensor, ...]:
-                    _c(xs)
-                    out = _f(*xs)
-                    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            def run(*xs: torch.Tensor, _f: Any = forward, _c: Any = check) -> tuple[torch.Tensor, ...]:
+                _c(xs)
+                out = _f(*xs)
+                return out if type(out) is tuple else tuple(out) if isinstance(out, list) else (out,)
 
             self._loaded[key] = run
         return self._loaded[key]

@@ -219,8 +219,15 @@ class _BinaryPlan:
     id: str
 
 
-_PLAN_MAX_HEAD = 8192  # header bytes a plan is kept for
-_PLAN_MAX = 256  # plans kept per cache
+_PLAN_MAX_HEAD = 8192  # header bytes a plan (or an answer's head) is kept for
+_PLAN_MAX = 256  # entries kept per cache
+
+
+def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """Put ``value`` in a bounded cache; a full one starts over (clients whose headers differ every time)."""
+    if len(cache) >= _PLAN_MAX:
+        cache.clear()
+    cache[key] = value
 
 
 def decode_http(spec: ModelSpec, body: bytes, header_len: int | None,
@@ -229,7 +236,7 @@ def decode_http(spec: ModelSpec, body: bytes, header_len: int | None,
 
     ``plans``: a cache (owned by the caller, one per served model) of what binary-only headers said.  A
     client sends the same JSON header with every request of one shape (perf_analyzer, tritonclient), and
-    identical bytes parse and check the same: then only the tensors are read (about 4 us instead of 25).
+    identical bytes parse and check the same: then only the tensors are read (6.5 us instead of 31).
     The key is the header's bytes and the body's length, so the binary part's size is checked as well.
     """
     key = None
@@ -293,9 +300,7 @@ def decode_http(spec: ModelSpec, body: bytes, header_len: int | None,
     rid = req.get("id", "")
     rid = str(rid) if isinstance(rid, str | int) else ""
     if key is not None and plans is not None and len(places) == len(spec.inputs):
-        if len(plans) >= _PLAN_MAX:  # clients whose headers differ every time (ids): start over
-            plans.clear()
-        plans[key] = _BinaryPlan(tuple(places), batch, tuple(idx), tuple(binary), rid)
+        _keep(plans, key, _BinaryPlan(tuple(places), batch, tuple(idx), tuple(binary), rid))
     return InferRequest(rid, arrays, batch, idx, binary)
 
 
@@ -336,7 +341,5 @@ def encode_http(spec: ModelSpec, req: InferRequest, outputs: Sequence[np.ndarray
     if not blobs:
         return head, None
     if key is not None and heads is not None and len(head) <= _PLAN_MAX_HEAD:  # long ids are not kept
-        if len(heads) >= _PLAN_MAX:
-            heads.clear()
-        heads[key] = head
+        _keep(heads, key, head)
     return b"".join([head, *blobs]), len(head)

@@ -121,6 +121,86 @@ def test_a_long_spin_yields_the_core_past_the_short_one(monkeypatch: pytest.Monk
     assert b.plan(20.0) == (0.0, False) and not b.yielding
 
 
+def test_a_spin_ends_once_a_yield_gave_the_core_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: spin on an idle core]: a yield that comes back late ends this idle period's spin (the rank
+    backs off and sleeps); prompt yields keep it spinning; work (reset) starts a full spin again."""
+    clock = [10.0]
+    monkeypatch.setattr(mb.time, "perf_counter", lambda: clock[0])
+    late = [False]
+
+    def sched_yield() -> None:  # another process ran meanwhile (a time slice) when late
+        clock[0] += 1e-3 if late[0] else 1e-6
+
+    monkeypatch.setattr(mb.os, "sched_yield", sched_yield)
+    b = mb.Backoff(spin_s=2e-3, max_sleep_s=1e-3)
+    assert b.plan(10.0) == (0.0, False)
+    clock[0] = 10.0 + 2 * mb.SPIN_S
+    for _ in range(5):  # prompt yields: the spin goes on
+        assert b.plan(clock[0]) == (0.0, False) and b.yielding
+        b.yield_core()
+    late[0] = True
+    assert b.plan(clock[0]) == (0.0, False) and b.yielding
+    b.yield_core()  # this one lost the core
+    s, _ = b.plan(clock[0])
+    assert s > 0 and not b.yielding  # well inside spin_s, it sleeps
+    b.reset()
+    late[0] = False
+    assert b.plan(20.0) == (0.0, False)  # work again: a new spin
+    assert b.plan(20.0 + 2 * mb.SPIN_S) == (0.0, False) and b.yielding
+
+
+def test_a_late_yield_in_the_first_spin_does_not_end_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first SPIN_S after work is spun whatever the yields said (the short spin of every mode)."""
+    b = mb.Backoff(spin_s=2e-3, max_sleep_s=1e-3)
+    b._spun_out = True
+    assert b.plan(10.0) == (0.0, False)
+    assert b.plan(10.0 + mb.SPIN_S / 2) == (0.0, False)
+    assert b.plan(10.0 + 2 * mb.SPIN_S)[0] > 0
+
+
+def test_a_spin_beside_a_busy_process_ends_early() -> None:
+    """Real scheduling: a spin on a core that a busy process shares gives up well before spin_s, and
+    the same spin with the cores idle runs its length.  (Pinned to one core, so the busy process and the
+    spinner share it; the busy process is a real one.)"""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_setaffinity")
+    core = min(os.sched_getaffinity(0))
+
+    def spin_length() -> float:
+        b = mb.Backoff(spin_s=0.2, max_sleep_s=1e-3)
+        t0 = time.perf_counter()
+        b.plan(t0)
+        while True:
+            now = time.perf_counter()
+            s, _ = b.plan(now)
+            if s > 0:
+                return now - t0
+            if b.yielding:
+                b.yield_core()
+
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        code = f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nt = time.time() + 20\nwhile time.time() < t: pass"
+        busy = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            time.sleep(0.2)
+            shared = min(spin_length() for _ in range(3))
+        finally:
+            busy.kill()
+            busy.wait()
+        alone = max(spin_length() for _ in range(3))
+    finally:
+        os.sched_setaffinity(0, old)
+    assert shared < 0.1, f"a spin beside a busy process lasted {shared * 1e3:.1f} ms of its 200 ms"
+    assert alone >= 0.2 * 0.99, f"a spin with the core idle ended after {alone * 1e3:.1f} ms"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_stage_through_pinned_host_memory() -> None:

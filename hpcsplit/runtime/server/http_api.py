@@ -8,6 +8,7 @@ when chunked).  Errors are ``{"error": "..."}``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = ["EXTENSIONS", "SERVER_NAME", "make_app"]
 SERVER_NAME = "hpcsplit"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 _OPEN = frozenset({"/v2/health/live", "/v2/health/ready"})
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a model name or version that is a path part as it is
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -91,6 +93,9 @@ def make_app(hub: Hub, max_body: int, version: str) -> web.Application:
 
     async def infer(request: web.Request) -> web.Response:
         model_of(request)
+        return await infer_own(request)
+
+    async def infer_own(request: web.Request) -> web.Response:  # the path names the served model
         hl = request.headers.get("Inference-Header-Content-Length")
         try:
             header_len = int(hl) if hl is not None else None
@@ -115,6 +120,12 @@ def make_app(hub: Hub, max_body: int, version: str) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=max_body)
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
+    if _PLAIN_NAME.fullmatch(spec.name) and _PLAIN_NAME.fullmatch(spec.version):
+        # the served model's own infer paths first, as plain routes: aiohttp finds those with one dict
+        # lookup, where the patterns below are tried one by one (a few us a request)
+        own = f"/v2/models/{spec.name}"
+        app.add_routes([web.post(own + "/infer", infer_own),
+                        web.post(f"{own}/versions/{spec.version}/infer", infer_own)])
     app.add_routes([
         web.get("/v2/health/live", live), web.get("/v2/health/ready", ready), web.get("/v2", server_meta),
         web.get(m, model_meta), web.get(mv, model_meta), web.get(m + "/ready", model_ready),

@@ -63,6 +63,7 @@ from hpcsplit.runtime.server.protocol import ModelSpec, RequestRejected
 __all__ = ["ServeLoop", "Servers", "model_spec", "run_server", "serve_requests", "write_private"]
 
 VERSION = "0.1.0"
+BELL_WAIT_S = 2e-3  # the loop's wait on the doorbell while answers are due (their ring ends it; a backstop)
 
 
 def model_spec(ctx: RankContext, fe: Frontend) -> ModelSpec:
@@ -217,11 +218,13 @@ class ServeLoop:
         job.left -= 1
         if job.left == 0:
             self.jobs.pop(job.rows[0], None)
-            arrays = [np.concatenate(o, 0) for o in job.outs]
+            # one row: its view of the received message is the answer (the encoders copy what they send)
+            arrays = [o[0] if len(o) == 1 else np.concatenate(o, 0) for o in job.outs]
             self.counts["ok"] += 1
             self.hub.finish(job.ticket, arrays)
-            self.fe.tracer.span("request", job.ticket.t_arrival, time.perf_counter(), job.rows,
-                                queued_us=int((job.ticket.t_admit - job.ticket.t_arrival) * 1e6))
+            if self.fe.tracer.enabled:
+                self.fe.tracer.span("request", job.ticket.t_arrival, time.perf_counter(), job.rows,
+                                    queued_us=int((job.ticket.t_admit - job.ticket.t_arrival) * 1e6))
 
     def _on_passthrough(self, r: int, outs: list[torch.Tensor]) -> None:
         bdo = self.bdo
@@ -275,7 +278,8 @@ class ServeLoop:
         for m, t_hdr in fe.inbox.poll():
             worked = True
             h = m.header
-            self.fe.tracer.span("recv_output", t_hdr, time.perf_counter(), h.request_ids, src=m.source)
+            if self.fe.tracer.enabled:
+                self.fe.tracer.span("recv_output", t_hdr, time.perf_counter(), h.request_ids, src=m.source)
             if h.kind == tp.KIND_ERROR:
                 msg = fe_error(m)
                 hub.failed = self.fatal = msg
@@ -370,7 +374,14 @@ class ServeLoop:
             # the cores the clients and the component ranks need, and block this loop while they last)
             s = db.quiet_sleep_s if wake is None else min(db.quiet_sleep_s, max(0.0, wake - t_idle))
             return s, s > 0
-        return backoff.plan(t_idle, wake, bool(fe.inbox.pending) or fe.outbox.in_flight(t_idle), quiet=quiet)
+        half_way = bool(fe.inbox.pending) or fe.outbox.in_flight(t_idle)
+        s, on_bell = backoff.plan(t_idle, wake, half_way, quiet=quiet)
+        if 0 < s < mb.DOORBELL_MIN_SLEEP_S and db is not None and db.quiet_sleep_s is not None and not half_way:
+            # a short sleep would block the loop, and the clients with it: wait on the loop instead, where
+            # a client's request or the ring of the rank whose answer is due ends the wait at once
+            s = BELL_WAIT_S if wake is None else min(BELL_WAIT_S, max(0.0, wake - t_idle))
+            return s, s > 0
+        return s, on_bell
 
 
 def _settle(fut: asyncio.Future[bool], value: bool) -> None:
@@ -449,8 +460,8 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
                 # wait in whole milliseconds (epoll), so sleep here, then give the loop its turn
                 if seconds > 0:
                     time.sleep(seconds)  # noqa: ASYNC251 - under 100 us, on purpose (above)
-                elif backoff.yielding:  # a long spin lets whatever else has work on this core run first
-                    os.sched_yield()
+                elif backoff.yielding:  # a long spin lets whatever else has work on this core run first,
+                    backoff.yield_core()  # and ends once it has ([Note: spin on an idle core])
                 await asyncio.sleep(0)
             elif await waker.pause(seconds, on_bell):  # without a doorbell: a timer or a new request
                 backoff.reset()

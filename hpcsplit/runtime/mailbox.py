@@ -24,8 +24,6 @@ DOORBELL_DEEP_SLEEP_S = 10e-3  # deep backoff sleep when every rank of the job i
 DOORBELL_QUIET_SLEEP_S = 100e-3  # quiet sleep when every rank of the job is on this node (all ring via flags)
 DOORBELL_UDP_SLEEP_S = 20e-3  # quiet sleep when some senders ring over UDP (and this rank got its test ring)
 QUIET_AFTER_S = 1e-3  # a quiet rank backs off as usual this long (a stream's next message is near), then sleeps
-YIELD_LOST_S = 20e-6  # a spin's sched_yield that returns this late gave the core to another process
-SPIN_LOST_SHARE = 0.5  # ... and once such yields took this share of the spin so far, the spin ends
 
 _DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
 
@@ -63,22 +61,6 @@ def spin_after_work_s(spin_us: float | None, mode: str | None, local_ranks: int,
     server's frontend, with nothing in flight, waits on its event loop at once (``ServeLoop.pause``: a
     client's request wakes it there).
 
-    [Note: spin on an idle core]
-    A spin is worth its core only while nothing else wants that core.  On a node where the clients, or
-    more ranks than cores, share the cores (the 2-core VM: perf_analyzer, the frontend and a component),
-    a rank that spins 2 ms after every batch takes the time the others need: at 8 and 64 clients the
-    component spent 0.84-0.92 of a core, mostly spinning, and the frontend's unary gRPC got 1300 req/s.
-    So a spin past ``SPIN_S`` times each ``sched_yield`` between its polls (:meth:`Backoff.yield_core`): one
-    that comes back more than ``YIELD_LOST_S`` (20 us) late gave the core to a process with work, and once
-    such yields add up to ``SPIN_LOST_SHARE`` (half) of the spin so far, the spin ends for this idle
-    period (the rank backs off and sleeps on the doorbell).  Beside a busy process each yield gives it a
-    time slice, so the spin ends within a few yields; on an idle core a yield returns in about a
-    microsecond and a daemon that runs now and then takes far less than half of it, so the spin goes on
-    as before (one late yield alone ended a 200 ms test spin after 6.5 ms on an idle core).  And the server's frontend,
-    when the backoff would sleep a few tens of microseconds while answers are due, waits on its event loop
-    with the doorbell armed instead (``ServeLoop.pause``): a ``time.sleep`` there blocked the loop and every
-    client with it, and the component's ring ends the wait as soon as its answer is sent.
-
     Examples
     --------
     >>> spin_after_work_s(None, "batch", 2, cores=2), spin_after_work_s(None, "server", 2, cores=2)
@@ -104,8 +86,7 @@ class Backoff:
     other nodes are not counted on for that).
     """
 
-    __slots__ = ("_lost", "_since", "_sleep", "_spun_out", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s",
-                 "yielding")
+    __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s", "yielding")
 
     def __init__(self, spin_s: float = SPIN_S, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
                  deep_after_s: float = 0.05) -> None:
@@ -113,26 +94,11 @@ class Backoff:
         self.deep_sleep_s, self.deep_after_s = max(deep_sleep_s, max_sleep_s), deep_after_s
         self._since: float | None = None
         self._sleep = 20e-6
-        self._spun_out = False  # this idle period's spin ended early: its core has other work (yield_core)
-        self._lost = 0.0  # seconds this idle period's yields gave to other processes
         self.yielding = False  # the last plan was a spin past SPIN_S: the caller yields the core between polls
 
     def reset(self) -> None:
         self._since = None
         self._sleep = 20e-6
-        self._spun_out = False
-        self._lost = 0.0
-
-    def yield_core(self) -> None:
-        """A long spin's pause between polls: ``os.sched_yield``; the spin ends once the yields that came
-        back late took ``SPIN_LOST_SHARE`` of it (``[Note: spin on an idle core]``)."""
-        t = time.perf_counter()
-        os.sched_yield()
-        t_end = time.perf_counter()
-        if t_end - t > YIELD_LOST_S:
-            self._lost += t_end - t
-            if self._since is not None and self._lost > SPIN_LOST_SHARE * (t_end - self._since):
-                self._spun_out = True
 
     def idle(self, now: float, wake_at: float | None = None, in_flight: bool = False, quiet: bool = False) -> None:
         """Spin or sleep once; never past ``wake_at`` (a perf_counter time) if given.
@@ -153,7 +119,7 @@ class Backoff:
         s, on_bell = self.plan(now, wake_at, in_flight, quiet)
         if s <= 0:
             if self.yielding:
-                self.yield_core()
+                os.sched_yield()
             return
         db = _DOORBELL
         if on_bell:
@@ -174,7 +140,7 @@ class Backoff:
         if self._since is None:
             self._since = now
         idle_for = now - self._since
-        if idle_for < self.spin_s and not (self._spun_out and idle_for >= SPIN_S):
+        if idle_for < self.spin_s:
             # a long spin (runtime.spin_us) yields the core between polls once past SPIN_S, so a rank that
             # has work on this core (a component, a client) runs first and the spin only takes idle time
             self.yielding = idle_for >= SPIN_S

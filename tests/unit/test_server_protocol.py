@@ -141,3 +141,44 @@ def test_the_hub_answers_every_open_request_when_abandoned() -> None:
         assert hub.abandon(err) == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", ["m", "odd name"])
+def test_the_served_models_infer_paths_and_the_others(name: str) -> None:
+    """The served model's own infer paths are plain routes (aiohttp finds them by one dict lookup) and
+    answer; another model or version still gets 404 naming what is served; a name that is not a plain
+    path part (a space) is served through the pattern routes alone, with the same answers."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from hpcsplit.runtime.server.http_api import make_app
+    from hpcsplit.runtime.server.hub import Hub
+
+    spec = ModelSpec(name, SPEC.inputs, SPEC.outputs, SPEC.max_batch_size)
+    hub = Hub(spec, 8, None)
+    hub.ready.set()
+
+    def answer() -> None:  # the frontend loop's part: every request gets y = its batch, shape [N, 1]
+        for t in hub.take(8):
+            hub.finish(t, [np.full((t.req.batch, 1), t.req.batch, np.float32)])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        hub.on_submit = lambda: loop.call_soon(answer)
+        app = make_app(hub, 1 << 20, "0")
+        async with TestClient(TestServer(app)) as client:
+            own = f"/v2/models/{name}/infer"
+            for path in (own, f"/v2/models/{name}/versions/1/infer"):
+                r = await client.post(path.replace(" ", "%20"), data=_req([_x(), _ids()]))
+                assert r.status == 200, await r.text()
+                out = (await r.json())["outputs"][0]
+                assert out["name"] == "y" and out["shape"] == [2, 1] and out["data"] == [2.0, 2.0]
+            for path, says in (("/v2/models/other/infer", "unknown model 'other'"),
+                               (f"/v2/models/{name}/versions/2/infer", "has no version '2'")):
+                r = await client.post(path.replace(" ", "%20"), data=_req([_x(), _ids()]))
+                assert r.status == 404 and says in (await r.json())["error"]
+        plain = {r.resource.canonical for r in app.router.routes() if "{" not in r.resource.canonical}
+        assert (f"/v2/models/{name}/infer" in plain) == (" " not in name)
+
+    asyncio.run(main())

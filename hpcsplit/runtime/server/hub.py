@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hpcsplit.runtime.server.protocol import InferRequest, ModelSpec, RequestRejected
 
@@ -91,17 +90,15 @@ class Hub:
         r = self.registry
         self.m_requests = Counter("hpcsplit_requests", "Infer requests answered, by protocol and outcome",
                                   ["protocol", "outcome"], registry=r)
-        self.m_latency = BatchedHistogram("hpcsplit_request_latency_seconds",
-                                          "Infer request latency (arrival to answer)", _LATENCY_BUCKETS, "protocol")
-        self.m_batch = BatchedHistogram("hpcsplit_request_batch_size", "Samples per infer request",
-                                        (1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.m_compute = BatchedHistogram("hpcsplit_request_compute_seconds",
-                                          "Compute on a request's critical path (the components' batches it rode in)",
-                                          _LATENCY_BUCKETS)
-        self.m_queue_wait = BatchedHistogram("hpcsplit_request_queue_seconds", "Arrival to admission into the pipeline",
-                                             _LATENCY_BUCKETS)
-        for h in (self.m_latency, self.m_batch, self.m_compute, self.m_queue_wait):
-            r.register(h)
+        self.m_latency = Histogram("hpcsplit_request_latency_seconds", "Infer request latency (arrival to answer)",
+                                   ["protocol"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.m_batch = Histogram("hpcsplit_request_batch_size", "Samples per infer request",
+                                 buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.m_compute = Histogram("hpcsplit_request_compute_seconds",
+                                   "Compute on a request's critical path (the components' batches it rode in)",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.m_queue_wait = Histogram("hpcsplit_request_queue_seconds", "Arrival to admission into the pipeline",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         g = Gauge("hpcsplit_queue_depth", "Requests waiting at the frontend", registry=r)
         g.set_function(lambda: len(self.queue))
         g2 = Gauge("hpcsplit_inflight_samples", "Samples inside the pipeline", registry=r)
@@ -111,7 +108,7 @@ class Hub:
         # (component, rank) -> [batches, samples, compute us, largest batch, failed rows], sent by the ranks
         self.components: dict[tuple[str, int], list[int]] = {}
         r.register(_ComponentCollector(self))
-        self._children: dict[tuple[str, str], tuple[Any]] = {}
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.open: set[Ticket] = set()  # submitted, not yet answered (finish / fail): abandon() answers them
         self.on_submit: Callable[[], None] | None = None  # wakes the frontend loop when it pauses
 
@@ -152,10 +149,10 @@ class Hub:
         key = (proto, outcome)
         child = self._children.get(key)
         if child is None:  # labels() costs a few us a call: each child is looked up once
-            child = self._children[key] = (self.m_requests.labels(proto, outcome),)
+            child = self._children[key] = (self.m_requests.labels(proto, outcome), self.m_latency.labels(proto))
         child[0].inc()
         if t is not None and outcome != "busy":
-            self.m_latency.observe(time.perf_counter() - t.t_arrival, proto)
+            child[1].observe(time.perf_counter() - t.t_arrival)
 
     # ------------------------------------------------------------------ frontend side
     def take(self, limit: int) -> list[Ticket]:
@@ -222,75 +219,6 @@ class Hub:
         ignored."""
         if len(values) == 5 and all(isinstance(v, int) and v >= 0 for v in values):
             self.components[(name, int(rank))] = list(values)
-
-
-class BatchedHistogram:
-    """A Prometheus histogram whose observations are kept in a list and counted into its buckets in
-    batches (numpy), when it is collected or every ``fold_every`` observations.
-
-    ``prometheus_client.Histogram.observe`` takes a lock and searches the buckets on every call: the four
-    histograms of a finished request cost 5 us of the hub's 7.6 us (``Hub.finish``, measured in process),
-    on the frontend's thread, which every request goes through.  Here an observation is a list append.
-    One thread observes and collects (the server's event loop; ``[Note: server mode]``).  Same exposition
-    as a ``Histogram``: ``_bucket{le=...}`` (cumulative), ``_count``, ``_sum``, with at most one label.
-
-    Examples
-    --------
-    >>> h = BatchedHistogram("t_seconds", "doc", (0.1, 1.0), "protocol")
-    >>> for v in (0.05, 0.1, 0.5, 3.0):
-    ...     h.observe(v, "http")
-    >>> [(s.name, s.labels.get("le"), s.value) for s in next(iter(h.collect())).samples][:4]
-    [('t_seconds_bucket', '0.1', 2.0), ('t_seconds_bucket', '1.0', 3.0), ('t_seconds_bucket', '+Inf', 4.0), ('t_seconds_count', None, 4.0)]
-    """
-
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], label: str | None = None,
-                 fold_every: int = 4096) -> None:
-        self.name, self.doc, self.label, self.fold_every = name, doc, label, fold_every
-        self.edges = np.asarray(buckets, dtype=np.float64)
-        self._les = [floatToGoString(b) for b in buckets] + ["+Inf"]
-        self._pending: dict[str, list[float]] = {}
-        self._n_pending = 0
-        self._counts: dict[str, np.ndarray] = {}  # label value -> per-bucket counts, the last one +Inf
-        self._sums: dict[str, float] = {}
-        if label is None:  # shown (at zero) before the first observation, as an unlabelled Histogram is
-            self._counts[""] = np.zeros(len(self.edges) + 1, dtype=np.int64)
-            self._sums[""] = 0.0
-
-    def observe(self, value: float, label: str = "") -> None:
-        vals = self._pending.get(label)
-        if vals is None:
-            vals = self._pending[label] = []
-        vals.append(value)
-        self._n_pending += 1
-        if self._n_pending >= self.fold_every:
-            self.fold()
-
-    def fold(self) -> None:
-        """Count what was observed since the last fold into the buckets."""
-        for label, vals in self._pending.items():
-            if not vals:
-                continue
-            v = np.asarray(vals, dtype=np.float64)
-            idx = np.searchsorted(self.edges, v, side="left")  # the first bucket with le >= value
-            counts = self._counts.get(label)
-            if counts is None:
-                counts = self._counts[label] = np.zeros(len(self.edges) + 1, dtype=np.int64)
-            counts += np.bincount(idx, minlength=len(counts))
-            self._sums[label] = self._sums.get(label, 0.0) + float(v.sum())
-            vals.clear()
-        self._n_pending = 0
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        self.fold()
-        fam = HistogramMetricFamily(self.name, self.doc, labels=[self.label] if self.label else None)
-        for label in sorted(self._counts):
-            cum = np.cumsum(self._counts[label])
-            fam.add_metric([label] if self.label else [], list(zip(self._les, cum.astype(float).tolist(), strict=True)),
-                           self._sums[label])
-        yield fam
 
 
 class _ComponentCollector:

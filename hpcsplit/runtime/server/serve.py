@@ -63,7 +63,6 @@ from hpcsplit.runtime.server.protocol import ModelSpec, RequestRejected
 __all__ = ["ServeLoop", "Servers", "model_spec", "run_server", "serve_requests", "write_private"]
 
 VERSION = "0.1.0"
-BELL_WAIT_S = 2e-3  # the loop's wait on the doorbell while answers are due (their ring ends it; a backstop)
 
 
 def model_spec(ctx: RankContext, fe: Frontend) -> ModelSpec:
@@ -374,14 +373,7 @@ class ServeLoop:
             # the cores the clients and the component ranks need, and block this loop while they last)
             s = db.quiet_sleep_s if wake is None else min(db.quiet_sleep_s, max(0.0, wake - t_idle))
             return s, s > 0
-        half_way = bool(fe.inbox.pending) or fe.outbox.in_flight(t_idle)
-        s, on_bell = backoff.plan(t_idle, wake, half_way, quiet=quiet)
-        if 0 < s < mb.DOORBELL_MIN_SLEEP_S and db is not None and db.quiet_sleep_s is not None and not half_way:
-            # a short sleep would block the loop, and the clients with it: wait on the loop instead, where
-            # a client's request or the ring of the rank whose answer is due ends the wait at once
-            s = BELL_WAIT_S if wake is None else min(BELL_WAIT_S, max(0.0, wake - t_idle))
-            return s, s > 0
-        return s, on_bell
+        return backoff.plan(t_idle, wake, bool(fe.inbox.pending) or fe.outbox.in_flight(t_idle), quiet=quiet)
 
 
 def _settle(fut: asyncio.Future[bool], value: bool) -> None:
@@ -460,8 +452,8 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
                 # wait in whole milliseconds (epoll), so sleep here, then give the loop its turn
                 if seconds > 0:
                     time.sleep(seconds)  # noqa: ASYNC251 - under 100 us, on purpose (above)
-                elif backoff.yielding:  # a long spin lets whatever else has work on this core run first,
-                    backoff.yield_core()  # and ends once it has ([Note: spin on an idle core])
+                elif backoff.yielding:  # a long spin lets whatever else has work on this core run first
+                    os.sched_yield()
                 await asyncio.sleep(0)
             elif await waker.pause(seconds, on_bell):  # without a doorbell: a timer or a new request
                 backoff.reset()

@@ -118,7 +118,10 @@ class Switchboard:
             def run(*xs: torch.Tensor, _f: Any = forward, _c: Any = check) -> tuple[torch.Tensor, ...]:
                 _c(xs)
                 out = _f(*xs)
-                return out if type(out) is tuple else tuple(out) if isinstance(out, list) else (out,)
+                if type(out) is tuple:  # the flat forward's answer (checked first: every call takes it)
+                    return out
+                # the module's own forward may give a list or a tuple subclass (a NamedTuple) or one tensor
+                return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
             self._loaded[key] = run
         return self._loaded[key]

@@ -9,10 +9,20 @@ over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC stre
   frontend + 1 rank under mpiexec), token on, as deployed;
 * ``echo``: an aiohttp app and a grpc.aio server in one process answering every infer with a canned response
   (no parsing, no pipeline): the ceiling of the protocol stack in Python on this machine;
+* ``hop``: the same echo, but every infer first goes to a peer process and back (a 12-byte header and the
+  32 bytes of an answer over a socketpair; the peer does nothing but send them back, batched, as fast as it
+  reads them), once with a peer that waits in ``recv`` and once with one that polls for 2 ms after each
+  message as the component ranks do (``[Note: spin after work]``).  A split model's components run in other
+  processes, so the better of the two is the ceiling of any server of a split model here: what one hop
+  costs this machine, before any work of hpcsplit's;
 * ``frontend``: the MPI frontend's own ceiling without a protocol: batch mode over ``--samples`` requests.
 
+``server_bench.csv`` and ``server_bench.png`` (requests/s and p50 of every server, a panel per protocol) go to
+``--out`` (default ``outputs/bench-server``).
+
 Target (issue 18): hpcsplit >= 70% of echo's rate on each protocol, and under 1 ms added to p50 at
-concurrency 1.  perf_analyzer comes from ``scripts/setup-perf.sh`` (its own venv, .venv-perf).
+concurrency 1.  The table also gives hpcsplit's rate against the better hop's, and the verdict names the
+rows where even the hop is under 70% of the echo (a target no split server can reach on this machine).  perf_analyzer comes from ``scripts/setup-perf.sh`` (its own venv, .venv-perf).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import csv
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -49,8 +61,85 @@ MODES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 
 
 # ------------------------------------------------------------------------------------------- echo
-def _echo_main(port_file: str) -> None:
-    """The echo server: canned answers for the calls perf_analyzer makes (a subprocess of the bench)."""
+_HOP = struct.Struct("<QI")  # a hop's frame: request number, payload length; then the payload
+
+# The hop's peer: sends back whatever it reads (whole frames or not: the echo side reassembles them).
+# "spin": after a message it polls without blocking for 2 ms before it waits in recv again.
+_PEER = """
+import os, socket, sys, time
+s = socket.socket(fileno=int(sys.argv[1]))
+spin = sys.argv[2] == "spin"
+last = 0.0
+while True:
+    if spin and time.perf_counter() - last < 0.002:
+        try:
+            d = s.recv(1 << 20, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
+    else:
+        d = s.recv(1 << 20)
+    if not d:
+        break
+    s.sendall(d)
+    last = time.perf_counter()
+"""
+
+
+class _Hop(asyncio.Protocol):
+    """The echo side of a hop: :meth:`call` sends a frame (the frames of one loop turn leave in one write)
+    and resolves when the peer has sent it back; if the peer goes, every call waiting fails."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.out: list[bytes] = []
+        self.waiting: dict[int, asyncio.Future[bytes]] = {}
+        self.n = 0
+        self.buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def call(self, payload: bytes) -> asyncio.Future[bytes]:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionError("the hop's peer is gone")
+        self.n += 1
+        fut = self.waiting[self.n] = self.loop.create_future()
+        if not self.out:
+            self.loop.call_soon(self._flush)
+        self.out += (_HOP.pack(self.n, len(payload)), payload)
+        return fut
+
+    def _flush(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self.out))
+        self.out.clear()
+
+    def data_received(self, data: bytes) -> None:
+        b = self.buf
+        b += data
+        at = 0
+        while len(b) - at >= _HOP.size:
+            n, size = _HOP.unpack_from(b, at)
+            if len(b) - at - _HOP.size < size:
+                break
+            fut = self.waiting.pop(n, None)
+            if fut is not None and not fut.done():
+                fut.set_result(bytes(b[at + _HOP.size:at + _HOP.size + size]))
+            at += _HOP.size + size
+        del b[:at]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("the hop's peer is gone"))
+        self.waiting.clear()
+
+
+def _echo_main(port_file: str, hop: str | None = None) -> None:
+    """The echo server: canned answers for the calls perf_analyzer makes (a subprocess of the bench); with
+    ``hop`` ("wait" or "spin"), each infer goes to a peer process and back first."""
     meta = {"name": "echo", "versions": ["1"], "platform": "echo",
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}],
             "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 8]}]}
@@ -63,8 +152,17 @@ def _echo_main(port_file: str) -> None:
         {"name": "output", "datatype": "FP32", "shape": [1, 8],
          "parameters": {"binary_data_size": out.nbytes}}]}).encode()
 
+    hops: list[_Hop] = []  # the hop, once the loop runs
+    mine = peer = None
+    if hop is not None:  # the peer ends when this process's end of the socketpair closes
+        mine, theirs = socket.socketpair()
+        peer = subprocess.Popen([sys.executable, "-c", _PEER, str(theirs.fileno()), hop], pass_fds=(theirs.fileno(),))
+        theirs.close()
+
     async def infer(request: web.Request) -> web.Response:
         await request.read()
+        if hops:
+            await hops[0].call(out.tobytes())
         if "Inference-Header-Content-Length" in request.headers:
             return web.Response(body=head + out.tobytes(), content_type="application/octet-stream",
                                 headers={"Inference-Header-Content-Length": str(len(head))})
@@ -90,10 +188,14 @@ def _echo_main(port_file: str) -> None:
     g_resp.raw_output_contents.append(out.tobytes())
 
     async def g_infer(_: Any, __: Any) -> Any:
+        if hops:
+            await hops[0].call(out.tobytes())
         return g_resp
 
     async def g_stream(requests: Any, _: Any) -> Any:  # perf_analyzer matches a stream's answers by id
         async for r in requests:
+            if hops:
+                await hops[0].call(out.tobytes())
             resp = pb.ModelStreamInferResponse()
             resp.infer_response.CopyFrom(g_resp)
             resp.infer_response.id = r.id
@@ -109,6 +211,10 @@ def _echo_main(port_file: str) -> None:
         return f
 
     async def main() -> None:
+        if mine is not None:
+            loop = asyncio.get_running_loop()
+            _, proto = await loop.create_connection(lambda: _Hop(loop), sock=mine)
+            hops.append(proto)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -125,10 +231,17 @@ def _echo_main(port_file: str) -> None:
                 response_serializer=lambda m: m.SerializeToString())}),))
         gport = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        Path(port_file).write_text(json.dumps({"http_port": runner.addresses[0][1], "grpc_port": gport}))
+        tmp = Path(port_file + ".tmp")  # whole or not there: the bench reads it once it exists
+        tmp.write_text(json.dumps({"http_port": runner.addresses[0][1], "grpc_port": gport}))
+        tmp.replace(port_file)
         await asyncio.Event().wait()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if peer is not None:
+            peer.kill()
+            peer.wait()
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -225,15 +338,42 @@ def perf_analyzer() -> Path | None:
     return ROOT / setup.stdout.strip().splitlines()[-1]
 
 
+ECHOES = (("echo", None), ("hop-wait", "wait"), ("hop-spin", "spin"))
+
+
+def _start_echoes(tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, dict[str, int]]]:
+    """The echo server and the two hop servers, each a process of its own; their ports."""
+    procs, files = [], {}
+    for name, hop in ECHOES:
+        files[name] = tmp / f"{name}.json"
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcsplit.bench", "server", "--echo-server",
+                                       str(files[name]), *(("--hop", hop) if hop else ())], env=_env()))
+    ports: dict[str, dict[str, int]] = {}
+    t_end = time.monotonic() + 60
+    for name, f in files.items():
+        while not f.exists():
+            if time.monotonic() > t_end:
+                raise SystemExit(f"the {name} server did not start within 60 s")
+            time.sleep(0.1)
+        ports[name] = json.loads(f.read_text())
+    return procs, ports
+
+
+def _row(x: Any, width: int = 10) -> str:
+    return f"{x[0]:>{width}.0f} {x[1]:>6.2f} {x[2]:>6.2f}" if x else f"{'n/a':>{width}} {'':>6} {'':>6}"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcsplit.bench server", description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer's measurement interval")
     p.add_argument("--samples", type=int, default=2000, help="requests of the frontend-ceiling batch run")
-    p.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)  # internal: run the echo server
+    p.add_argument("--out", type=Path, default=Path("outputs/bench-server"), help="where the CSV and PNG go")
+    p.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)  # internal: run an echo server
+    p.add_argument("--hop", choices=("wait", "spin"), default=None, help=argparse.SUPPRESS)  # internal
     args = p.parse_args(argv)
     if args.echo_server:
-        _echo_main(args.echo_server)
+        _echo_main(args.echo_server, args.hop)
         return 0
     pa = perf_analyzer()
     if pa is None:
@@ -243,51 +383,101 @@ def main(argv: list[str]) -> int:
         tmp = Path(d)
         sb, plan, n = _toy(tmp)
         ceiling = _frontend_ceiling(tmp, sb, plan, n, args.samples)
-        port_file = tmp / "echo.json"
-        echo = subprocess.Popen([sys.executable, "-m", "hpcsplit.bench", "server", "--echo-server", str(port_file)],
-                                env=_env())
+        echoes, eports = _start_echoes(tmp)
         srv, info, token = _start_hpcsplit(tmp, sb, plan, n)
         try:
-            t_end = time.monotonic() + 60
-            while not port_file.exists() and time.monotonic() < t_end:
-                time.sleep(0.1)
-            eports = json.loads(port_file.read_text())
-            table: list[tuple[str, int, Any, Any]] = []
+            table: list[tuple[str, int, dict[str, Any]]] = []
+            steps = len(MODES) * len(levels)
             for label, proto, fmt, extra in MODES:
                 for c in levels:
                     k = f"{label}-{c}"
-                    e = _perf(pa, "echo", eports[f"{proto}_port"], proto, fmt, c, args.interval_ms, None,
-                              tmp / f"e-{k}.csv", extra)
-                    h = _perf(pa, info["model"], info[f"{proto}_port"], proto, fmt, c, args.interval_ms, token,
-                              tmp / f"h-{k}.csv", extra)
-                    table.append((label, c, e, h))
+                    got: dict[str, Any] = {}
+                    for name, _ in ECHOES:
+                        got[name] = _perf(pa, "echo", eports[name][f"{proto}_port"], proto, fmt, c, args.interval_ms,
+                                          None, tmp / f"{name}-{k}.csv", extra)
+                    got["hpcsplit"] = _perf(pa, info["model"], info[f"{proto}_port"], proto, fmt, c, args.interval_ms,
+                                            token, tmp / f"h-{k}.csv", extra)
+                    table.append((label, c, got))
+                    print(f"  [{len(table)}/{steps}] {label} at concurrency {c}: " + ", ".join(
+                        f"{name} {r[0]:.0f} req/s" if r else f"{name} n/a" for name, r in got.items()),
+                        file=sys.stderr, flush=True)
         finally:
             srv.send_signal(signal.SIGTERM)
-            echo.terminate()
+            for e in echoes:
+                e.terminate()
             try:
                 srv.wait(60)
             except subprocess.TimeoutExpired:
                 srv.kill()
-            echo.wait(10)
-    print(f"python -m hpcsplit.bench server: trivial model (one 8 -> 8 linear layer, frontend + 1 component rank), perf_analyzer "
-          f"{args.interval_ms} ms windows, {os.cpu_count()} cores")
+            for e in echoes:
+                e.wait(10)
+    print(f"python -m hpcsplit.bench server: trivial model (one 8 -> 8 linear layer, frontend + 1 component rank), "
+          f"perf_analyzer {args.interval_ms} ms windows, {os.cpu_count()} cores")
     print(f"MPI frontend's own ceiling (batch mode, {args.samples} requests, no protocol): "
           + (f"{ceiling:.0f} req/s" if ceiling else "n/a"))
-    print(f"{'protocol':<12} {'conc':>4} | {'echo req/s':>10} {'p50 ms':>7} {'p99 ms':>7} | "
-          f"{'hpcsplit req/s':>14} {'p50 ms':>7} {'p99 ms':>7} | {'rate/echo':>9} {'+p50 ms':>8}")
-    verdict = []
-    for label, c, e, h in table:
-        def f(x: Any) -> str:
-            return f"{x[0]:>10.0f} {x[1]:>7.2f} {x[2]:>7.2f}" if x else f"{'n/a':>10} {'':>7} {'':>7}"
-
+    print("req/s, p50 ms, p99 ms; hop: the echo with one round trip to a do-nothing peer process (it waits / it spins)")
+    print(f"{'protocol':<12} {'conc':>4} | {'echo':>10} {'p50':>6} {'p99':>6} | {'hop wait':>10} {'p50':>6} {'p99':>6} | "
+          f"{'hop spin':>10} {'p50':>6} {'p99':>6} | {'hpcsplit':>10} {'p50':>6} {'p99':>6} | {'hop/echo':>8} "
+          f"{'rate/echo':>9} {'rate/hop':>8} {'+p50 ms':>8}")
+    verdict, unreachable = [], []
+    for label, c, got in table:
+        e, h = got["echo"], got["hpcsplit"]
+        hops = [x for x in (got["hop-wait"], got["hop-spin"]) if x]
+        best = max(hops, key=lambda x: x[0]) if hops else None
+        hop_r = f"{best[0] / e[0]:>8.2f}" if e and best else f"{'n/a':>8}"
         ratio = f"{h[0] / e[0]:>9.2f}" if e and h else f"{'n/a':>9}"
+        vs_hop = f"{h[0] / best[0]:>8.2f}" if h and best else f"{'n/a':>8}"
         dp50 = f"{h[1] - e[1]:>8.2f}" if e and h else f"{'n/a':>8}"
-        print(f"{label:<12} {c:>4} | {f(e)} | {f(h).replace(f'{h[0]:>10.0f}', f'{h[0]:>14.0f}') if h else f(h)} | "
-              f"{ratio} {dp50}")
+        print(f"{label:<12} {c:>4} | {_row(e)} | {_row(got['hop-wait'])} | {_row(got['hop-spin'])} | {_row(h)} | "
+              f"{hop_r} {ratio} {vs_hop} {dp50}")
         if e and h:
             verdict.append((label, c, h[0] / e[0], h[1] - e[1]))
+        if e and best and best[0] / e[0] < 0.7:
+            unreachable.append(f"{label} at {c}")
     ok_rate = all(r >= 0.7 for _, _, r, _ in verdict)
     low = [d for _, c, _, d in verdict if c == min(levels)]
     print(f"verdict: rate >= 70% of echo on every row: {'yes' if ok_rate else 'no'}; added p50 at concurrency "
           f"{min(levels)}: {', '.join(f'{d:.2f}' for d in low)} ms (target < 1 ms)")
+    print("rows where one hop to a do-nothing peer is already under 70% of the echo (out of reach of any split "
+          f"server on this machine): {', '.join(unreachable) if unreachable else 'none'}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path, png = args.out / "server_bench.csv", args.out / "server_bench.png"
+    names = [name for name, _ in ECHOES] + ["hpcsplit"]
+    with csv_path.open("w", newline="") as fh:
+        wr = csv.writer(fh)
+        wr.writerow(["protocol", "concurrency", *(f"{n}_{k}" for n in names for k in ("req_per_s", "p50_ms", "p99_ms"))])
+        for label, c, got in table:
+            wr.writerow([label, c, *(v for n in names for v in (got[n] or ("", "", "")))])
+    _plot(png, table, names, levels)
+    print(f"written: {csv_path}, {png}")
     return 0
+
+
+def _plot(path: Path, table: list[tuple[str, int, dict[str, Any]]], names: list[str], levels: list[int]) -> None:
+    """Requests/s (solid) and p50 (dashed, right axis) against concurrency, a panel per protocol."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [m[0] for m in MODES]
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 4), squeeze=False)
+    colors = dict(zip(names, ("tab:gray", "tab:green", "tab:olive", "tab:blue"), strict=False))
+    for ax, label in zip(axes[0], labels, strict=True):
+        rows = {c: got for lab, c, got in table if lab == label}
+        lat = ax.twinx()
+        for n in names:
+            xs = [c for c in levels if rows.get(c, {}).get(n)]
+            ax.plot(xs, [rows[c][n][0] for c in xs], "o-", color=colors[n], label=n)
+            lat.plot(xs, [rows[c][n][1] for c in xs], "x--", color=colors[n], alpha=0.6)
+        ax.set(title=label, xlabel="concurrency", xscale="log", xticks=levels)
+        ax.set_xticklabels([str(c) for c in levels])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        lat.set_ylabel("p50 ms (dashed)")
+    axes[0][0].set_ylabel("req/s (solid)")
+    axes[0][0].legend(loc="upper left")
+    fig.suptitle("python -m hpcsplit.bench server: echo, one hop, hpcsplit")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

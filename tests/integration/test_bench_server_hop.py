@@ -21,7 +21,10 @@ from tritonclient.utils import InferenceServerException
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            pass
     return kids
 
 
@@ -39,7 +42,11 @@ def echo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[subpr
         yield proc, json.loads(pf.read_text()), hop
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _infer_http(port: int) -> np.ndarray:

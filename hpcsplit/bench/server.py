@@ -22,7 +22,8 @@ over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC stre
 
 Target (issue 18): hpcsplit >= 70% of echo's rate on each protocol, and under 1 ms added to p50 at
 concurrency 1.  The table also gives hpcsplit's rate against the better hop's, and the verdict names the
-rows where even the hop is under 70% of the echo (a target no split server can reach on this machine).  perf_analyzer comes from ``scripts/setup-perf.sh`` (its own venv, .venv-perf).
+rows where even the hop is under 70% of the echo (a target no split server can reach on this machine).
+perf_analyzer comes from ``scripts/setup-perf.sh`` (its own venv, .venv-perf).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ _HOP = struct.Struct("<QI")  # a hop's frame: request number, payload length; th
 # The hop's peer: sends back whatever it reads (whole frames or not: the echo side reassembles them).
 # "spin": after a message it polls without blocking for 2 ms before it waits in recv again.
 _PEER = """
-import os, socket, sys, time
+import socket, sys, time
 s = socket.socket(fileno=int(sys.argv[1]))
 spin = sys.argv[2] == "spin"
 last = 0.0
@@ -442,7 +443,7 @@ def main(argv: list[str]) -> int:
             verdict.append((label, c, h[0] / e[0], h[1] - e[1]))
         if e and best and best[0] / e[0] < 0.7:
             unreachable.append(f"{label} at {c}")
-    ok_rate = bool(verdict) and len(verdict) == len(table) and all(r >= 0.7 for _, _, r, _ in verdict)
+    ok_rate = bool(table) and len(verdict) == len(table) and all(r >= 0.7 for _, _, r, _ in verdict)
     low = [d for _, c, _, d in verdict if c == min(levels)]
     print(f"verdict: rate >= 70% of echo on every row: {'yes' if ok_rate else 'no'}; added p50 at concurrency "
           f"{min(levels)}: {', '.join(f'{d:.2f}' for d in low)} ms (target < 1 ms)")

@@ -12,7 +12,10 @@ from typing import Any
 
 import torch
 
-from hpcsplit.runtime.transport import Message, RecvHandle, SendHandle, poll_message, wait_polling
+from hpcsplit.core.mpi import MPI
+from hpcsplit.runtime.transport import Message, RecvHandle, SendHandle, take_message, wait_polling
+
+ANY_SOURCE = MPI.ANY_SOURCE
 
 __all__ = ["IN_FLIGHT_SLEEP_S", "Backoff", "Inbox", "Outbox", "install_doorbell", "ring"]
 
@@ -163,14 +166,21 @@ class Backoff:
 
 
 class Inbox:
-    """Receives every incoming message without blocking: headers are matched, payloads posted and tested."""
+    """Receives every incoming message without blocking: first messages matched, payloads posted and tested.
+
+    Messages come out in the order they arrived from each source (a message that arrived whole waits
+    behind an earlier one of the same source that is still being received); ``pending`` holds the ones
+    not yet handed out.
+    """
 
     def __init__(self, comm: Any, device: torch.device | None = None, max_new: int = 256) -> None:
         self.comm, self.device, self.max_new = comm, device, max_new
         self.pending: list[RecvHandle] = []
+        self._status = MPI.Status()
+        self._first: set[int] = set()  # sources whose latest first message is still arriving (take_message)
 
     def poll(self) -> list[tuple[Message, float]]:
-        """Messages completed since the last call, with the time their header arrived.
+        """Messages completed since the last call, with the time their first message arrived.
 
         [Note: probing past misses]
         MPICH (ch4, shared memory) moves one waiting message into its queues per probe and matches
@@ -178,30 +188,50 @@ class Inbox:
         earlier, from any sender) shows up at the ``k + 1``-th probe.  Stopping at the first miss took
         one message per two calls, and a component that polls once between batches ran batch after
         batch of one request however many were waiting.  So a poll keeps probing until ``2 + owed``
-        probes in a row find nothing, ``owed`` being the payloads of every matched header whose message
-        has not completed yet (they may still be ahead in the queue): two probes when idle.  At most
-        ``max_new`` headers are matched per call.
+        probes in a row find nothing, ``owed`` being the receives still outstanding of every message
+        taken but not complete (their payloads may still be ahead in the queue): two probes when idle.
+        At most ``max_new`` messages are taken per call.
         """
-        owed = sum(len(h.header.tensors) for h in self.pending)
+        pending = self.pending
+        owed = 0
+        for h in pending:
+            owed += len(h.requests)
+        comm, device, st, first, now = self.comm, self.device, self._status, self._first, time.perf_counter
+        done: list[tuple[Message, float]] = []
         misses = hits = 0
         while hits < self.max_new:
-            h = poll_message(self.comm, self.device)
-            if h is None:
+            got = take_message(comm, device, ANY_SOURCE, st, first)
+            if got is None:
                 misses += 1
                 if misses >= 2 + owed:
                     break
                 continue
             misses = 0
             hits += 1
-            owed += len(h.header.tensors)
-            self.pending.append(h)
-        if not self.pending:
-            return []
-        done, still = [], []
-        for h in self.pending:
-            m = h.test()
-            if m is None:
+            if isinstance(got, RecvHandle):
+                owed += len(got.requests)
+                pending.append(got)
+                if got.header is None:
+                    first.add(got.source)
+            elif pending:  # behind what is still arriving (the sweep below keeps each source's order)
+                pending.append(RecvHandle(got.source, got.header, [], [], None, now(), got))
+            else:
+                done.append((got, now()))
+        if not pending:
+            return done
+        # test in the order taken; a source's messages come out in its order, and a message is not
+        # decoded (its payloads not posted) while its source's previous first message is still arriving
+        still: list[RecvHandle] = []
+        waiting: set[int] = set()  # sources with an earlier message not complete
+        first.clear()
+        for h in pending:
+            src = h.source
+            m = None if src in first else h.test()
+            if m is None or src in waiting:
                 still.append(h)
+                waiting.add(src)
+                if h.header is None:
+                    first.add(src)
             else:
                 done.append((m, h.t_start))
         self.pending = still

@@ -1,14 +1,18 @@
-"""Tensor transport between MPI ranks: a small int64 header, then raw contiguous buffers.
+"""Tensor transport between MPI ranks: a small int64 header with the tensors' bytes behind it.
 
 [Note: transport wire format]
-One message = one header on ``TAG_HEADER`` followed by one payload per tensor on ``TAG_PAYLOAD``, all
-from the same source to the same destination.  MPI's non-overtaking rule (same source, tag and
-communicator arrive in order) pairs payloads with their header, so a receiver that posts the payload
-receives of each header in the order the headers arrive never mixes two messages.
+A message starts with one MPI message on ``TAG_HEADER``: the header, and behind it, when every tensor is
+on the host and their bytes total at most ``INLINE_MAX`` (64 KiB), every tensor's bytes, each at a
+64-byte aligned offset.  A larger message (or one with GPU tensors) sends the header alone, then one
+payload per tensor that has bytes on ``TAG_PAYLOAD``, straight from the tensor's memory; MPI's non-overtaking rule (same
+source, tag and communicator arrive in order) pairs payloads with their header, so a receiver that posts
+the payload receives of each header in the order the headers arrive never mixes two messages.  Which of
+the two a message is the receiver reads from its length: it carries inline bytes iff it is longer than
+its header.
 
-The header is a flat ``int64`` array (no pickle)::
+The header is a flat ``int64`` array (no pickle), zero-padded to a multiple of 8 words (64 bytes)::
 
-    [MAGIC, VERSION, kind, aux, n_req, n_route, n_tensors,
+    [MAGIC, VERSION, kind, aux, n_req, n_route, n_tensors, n_words,
      request_ids[n_req], routes[n_req * n_route],
      per tensor: slot, rdim, dtype_code, ndim, shape[ndim]]
 
@@ -16,8 +20,13 @@ The header is a flat ``int64`` array (no pickle)::
 ``routes[i]`` is the rank chosen for request ``i`` at every component (see :mod:`routing`), so that
 downstream ranks forward without asking the frontend.  ``slot`` is the destination's input index (or
 the model output index when the frontend receives); ``rdim`` the tensor dim holding the requests (the
-first batch dim of that value; other batch dims, if any, have size 1).  Payloads travel as ``MPI.BYTE`` views of the
-tensors' memory; receivers allocate the tensor first and receive straight into it (no copy).
+first batch dim of that value; other batch dims, if any, have size 1).
+
+The receiver matches the first message with one ``Improbe``, which gives its source and length, receives
+it into one buffer and hands out tensors that view that buffer (inline) or the buffers their separate
+payloads land in (pooled, ``buffers.BufferPool``): no copy on either side beyond MPI's own, except the
+sender's copy of small tensors behind the header (cheaper than a second MPI message up to
+``INLINE_MAX``; ``docs/runtime.md``, Transport).
 
 GPU tensors: with a CUDA-aware MPI (:func:`cuda_aware_mpi`) the device buffer is handed to MPI after
 the producing stream is synchronised; otherwise they are staged through pinned host memory.
@@ -25,21 +34,34 @@ the producing stream is synchronised; otherwise they are staged through pinned h
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
+import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from hpcsplit.core.mpi import MPI
 from hpcsplit.errors import RuntimeStageError
+from hpcsplit.runtime.buffers import (
+    CODE,
+    COMPLEX_CODES,
+    NP_DTYPE,
+    TensorMeta,
+    code_dtype,
+    cuda_aware_mpi,
+    dtype_code,
+    host_bytes,
+    host_tensor,
+    landing,
+    send_buffer,
+)
+from hpcsplit.runtime.buffers import POOL as _POOL
 
 __all__ = [
+    "INLINE_MAX",
     "KIND_CONTROL",
     "KIND_DATA",
     "KIND_ERROR",
@@ -62,11 +84,12 @@ __all__ = [
     "poll_message",
     "recv_message",
     "send_message",
+    "take_message",
     "wait_polling",
 ]
 
 MAGIC = 0x48535054  # "HSPT"
-VERSION = 1
+VERSION = 2
 KIND_DATA = 1
 KIND_STOP = 2
 KIND_ERROR = 3
@@ -74,74 +97,18 @@ KIND_CONTROL = 4
 KIND_ROW_ERROR = 5  # batch mode: these requests failed in a component (payload: the message); it keeps serving
 TAG_HEADER = 7101
 TAG_PAYLOAD = 7102
-_FIXED = 7
-
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-_CODE = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
-_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _DTYPES}
-_NP_DTYPE = {dt: torch.empty((), dtype=dt).numpy().dtype for dt in _DTYPES if dt != torch.bfloat16}
-_NP_CODE = {np.dtype(npdt): _CODE[dt] for dt, npdt in _NP_DTYPE.items()}  # numpy dtype -> wire code
+INLINE_MAX = 64 << 10  # tensors' bytes (aligned) up to which they travel behind the header, in one message
+_FIXED = 8
+_ALIGN = 63  # offsets of inline tensors are multiples of 64 bytes (mask)
+_PAD = [0] * 8
+_FIX = struct.Struct(f"={_FIXED}q")
+_NW = struct.Struct("=q")  # n_words, the header's 8th word
+_W16 = struct.Struct("=16q")
+_ZEROS = bytes(64)
+_STRUCTS: dict[int, struct.Struct] = {}  # n words -> its struct (headers repeat their lengths)
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """Wire code of a torch dtype.
-
-    Examples
-    --------
-    >>> code_dtype(dtype_code(torch.bfloat16))
-    torch.bfloat16
-    """
-    code = _CODE.get(dtype)
-    if code is not None:
-        return code
-    try:
-        return _CODE[dtype]
-    except KeyError:
-        raise RuntimeStageError(
-            f"the transport cannot send dtype {dtype}; it sends {[str(d) for d in _DTYPES]}. "
-            "Cast the component's outputs to one of those."
-        ) from None
-
-
-def code_dtype(code: int) -> torch.dtype:
-    """Torch dtype of a wire code (inverse of :func:`dtype_code`)."""
-    if not 1 <= code <= len(_DTYPES):
-        raise RuntimeStageError(f"unknown dtype code {code} in a message header; sender and receiver differ?")
-    return _DTYPES[code - 1]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """Destination slot, request dim, dtype and shape of one tensor of a message."""
-
-    slot: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    rdim: int = 0  # the dim along which the message's requests lie
-
-    @property
-    def nbytes(self) -> int:
-        n = _ITEMSIZE[self.dtype]
-        for s in self.shape:
-            n *= s
-        return n
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
     """Decoded message header (see ``[Note: transport wire format]``)."""
 
     kind: int
@@ -151,8 +118,67 @@ class Header:
     aux: int = 0
 
 
+class Message(NamedTuple):
+    """A received message: its source rank, header and tensors (in header order)."""
+
+    source: int
+    header: Header
+    tensors: tuple[torch.Tensor, ...]
+
+
+_new = tuple.__new__  # _new(Header, (...)): a named tuple made without its Python-level __new__ (hot path)
+_allocate: Any = MPI.buffer.allocate  # Any: mpi4py's buffer type is not a typing Buffer
+_fromaddress: Any = MPI.buffer.fromaddress
+_BYTE = MPI.BYTE
+_testall = MPI.Request.Testall
+_take = _POOL.take
+_POOL_MIN = _POOL.min_bytes
+_ndarray = np.ndarray
+_from_numpy = torch.from_numpy
+
+
+def _words(n: int) -> struct.Struct:
+    s = _STRUCTS.get(n)
+    if s is None:
+        s = struct.Struct(f"={n}q")
+        if len(_STRUCTS) < 1024:
+            _STRUCTS[n] = s
+    return s
+
+
+def _header_words(kind: int, request_ids: Sequence[int], routes: Sequence[Sequence[int]], n_t: int,
+                  aux: int) -> list[int]:
+    """The header's words up to the tensors' part (``n_words`` still 0)."""
+    n_req = len(request_ids)
+    if routes:
+        n_route = len(routes[0])
+        if len(routes) != n_req or any(len(r) != n_route for r in routes):
+            raise RuntimeStageError(f"header routes {routes} do not give one route per request {request_ids}")
+    else:
+        n_route = 0
+    words = [MAGIC, VERSION, kind, aux, n_req, n_route, n_t, 0]
+    words += request_ids
+    for r in routes:
+        words += r
+    return words
+
+
+def _pack(words: list[int]) -> bytes:
+    """The header's bytes: ``words`` padded to a multiple of 8 with zeros, their count the 8th word."""
+    n = len(words)
+    nw = (n + 7) & ~7
+    words[7] = nw
+    if nw > n:
+        words += _PAD[: nw - n]
+    try:
+        return (_STRUCTS.get(nw) or _words(nw)).pack(*words)
+    except struct.error as e:
+        raise RuntimeStageError(f"a message header takes 64-bit integers (kind, aux, request ids, routes, "
+                                f"shapes); found {words[:24]}{'...' if len(words) > 24 else ''} ({e})") from None
+
+
 def encode_header(h: Header) -> np.ndarray:
-    """Pack a :class:`Header` into a flat int64 array.
+    """Pack a :class:`Header` into a flat int64 array (a header sent alone, its payloads separate).
 
     Examples
     --------
@@ -160,135 +186,88 @@ def encode_header(h: Header) -> np.ndarray:
     >>> decode_header(encode_header(h)) == h
     True
     """
-    n_req = len(h.request_ids)
-    n_route = len(h.routes[0]) if h.routes else 0
-    if h.routes and (len(h.routes) != n_req or any(len(r) != n_route for r in h.routes)):
-        raise RuntimeStageError(f"header routes {h.routes} do not give one route per request {h.request_ids}")
-    parts: list[int] = [MAGIC, VERSION, h.kind, h.aux, n_req, n_route, len(h.tensors)]
-    parts.extend(h.request_ids)
-    for r in h.routes:
-        parts.extend(r)
+    words = _header_words(h.kind, h.request_ids, h.routes, len(h.tensors), h.aux)
     for t in h.tensors:
-        parts.extend((t.slot, t.rdim, dtype_code(t.dtype), len(t.shape)))
-        parts.extend(t.shape)
-    return np.asarray(parts, dtype=np.int64)
+        words += (t.slot, t.rdim, dtype_code(t.dtype), len(t.shape))
+        words += t.shape
+    return np.frombuffer(_pack(words), dtype=np.int64).copy()
 
 
-_META_CACHE: dict[tuple[int, ...], TensorMeta] = {}  # header words -> TensorMeta (messages repeat shapes)
+class _Layout(NamedTuple):
+    """The tensors' part of a header, decoded once per distinct part (messages repeat shapes)."""
+
+    n_tensors: int
+    metas: tuple[TensorMeta, ...]
+    parts: tuple[tuple[int, Any, tuple[int, ...], TensorMeta, int], ...]  # offset, numpy dtype, shape, meta, bytes
+    inline_bytes: int  # the inline tensors' aligned total
 
 
-def decode_header(a: np.ndarray) -> Header:
-    """Unpack an int64 header array (inverse of :func:`encode_header`)."""
-    v = a.tolist()
-    if len(v) < _FIXED or v[0] != MAGIC or v[1] != VERSION:
+_LAYOUTS: dict[tuple[int, ...], _Layout] = {}
+
+
+def _layout(part: tuple[int, ...], n_t: int) -> _Layout:
+    metas, inline = [], []
+    i = off = 0
+    for _ in range(n_t):
+        if i + 4 > len(part) or part[i + 3] < 0 or i + 4 + part[i + 3] > len(part):
+            raise RuntimeStageError(f"a message header announces {n_t} tensors but holds the shapes of fewer "
+                                    f"({part}); sender and receiver differ?")
+        end = i + 4 + part[i + 3]
+        shape = part[i + 4 : end]
+        if any(s < 0 for s in shape):
+            raise RuntimeStageError(f"a message header gives a tensor the shape {shape}; sender and receiver differ?")
+        meta = TensorMeta(part[i], code_dtype(part[i + 2]), shape, part[i + 1])
+        metas.append(meta)
+        # numpy dtype None: made by buffers.host_tensor (bfloat16, no bytes)
+        nb = meta.nbytes
+        inline.append((off, NP_DTYPE.get(meta.dtype) if nb else None, shape, meta, nb))
+        off += (nb + _ALIGN) & ~_ALIGN
+        i = end
+    lay = _Layout(n_t, tuple(metas), tuple(inline), off)
+    if len(_LAYOUTS) < 4096:
+        _LAYOUTS[part] = lay
+    return lay
+
+
+def _decode(buf: Any, n: int) -> tuple[Header, _Layout, int]:
+    """Header, tensor layout and header bytes of a first message of ``n`` bytes."""
+    if n >= 128:  # most headers are 16 words or fewer: one unpack reads them
+        v = _W16.unpack_from(buf, 0)
+        nw = v[7]
+        if nw != 16:
+            v = _words(nw).unpack_from(buf, 0) if 8 <= nw and not nw % 8 and nw * 8 <= n else ()
+    else:
+        nw = _NW.unpack_from(buf, 56)[0] if n >= 64 else 0
+        v = _FIX.unpack_from(buf, 0) if nw == 8 else ()
+    if not v or v[0] != MAGIC or v[1] != VERSION:
+        first = _FIX.unpack_from(buf, 0)[:4] if n >= 64 else ()
         raise RuntimeStageError(
-            f"received a message header that is not hpcsplit transport v{VERSION} (first words {v[:4]}); "
-            "are two different hpcsplit versions running in one job?"
+            f"received a message header that is not hpcsplit transport v{VERSION} (first words {first}, "
+            f"{n} bytes); are two different hpcsplit versions running in one job?"
         )
-    kind, aux, n_req, n_route, n_t = v[2], v[3], v[4], v[5], v[6]
+    n_req, n_route, n_t = v[4], v[5], v[6]
     i = _FIXED + n_req
-    ids = tuple(v[_FIXED:i])
+    if n_req < 0 or n_route < 0 or nw < i + n_req * n_route + 4 * n_t:
+        raise RuntimeStageError(f"a message header of {nw} words announces {n_req} requests, {n_route}-hop "
+                                f"routes and {n_t} tensors; sender and receiver differ?")
     if n_route:
-        routes = tuple(tuple(v[j : j + n_route]) for j in range(i, i + n_req * n_route, n_route))
-        i += n_req * n_route
+        routes = tuple([v[j : j + n_route] for j in range(i, i + n_req * n_route, n_route)])
+        part = v[i + n_req * n_route :]
     else:
         routes = ()
-    tensors = []
-    for _ in range(n_t):
-        end = i + 4 + v[i + 3]
-        key = tuple(v[i:end])
-        meta = _META_CACHE.get(key)
-        if meta is None:
-            code = v[i + 2]
-            if not 1 <= code <= len(_DTYPES):
-                code_dtype(code)  # raises with the message
-            meta = TensorMeta(v[i], _DTYPES[code - 1], tuple(v[i + 4 : end]), v[i + 1])
-            if len(_META_CACHE) < 4096:
-                _META_CACHE[key] = meta
-        tensors.append(meta)
-        i = end
-    return Header(kind, ids, routes, tuple(tensors), aux)
+        part = v[i:]
+    lay = _LAYOUTS.get(part)
+    if lay is None or lay.n_tensors != n_t:
+        lay = _layout(part, n_t)
+    return _new(Header, (v[2], v[_FIXED:i], routes, lay.metas, v[3])), lay, nw * 8
 
 
-# --------------------------------------------------------------------------- CUDA-aware detection
-_CUDA_AWARE: bool | None = None
-_YES, _NO = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off", ""})
-_CUDA_AWARE_WHY = ""
+def decode_header(a: Any) -> Header:
+    """Unpack an int64 header array (inverse of :func:`encode_header`)."""
+    return _decode(a, a.nbytes)[0]
 
 
-def cuda_aware_mpi() -> tuple[bool, str]:
-    """Whether MPI can take CUDA device buffers, and how that was decided.
-
-    ``HPCSPLIT_CUDA_AWARE_MPI=0|1`` overrides; otherwise ``MPIX_GPU_query_support`` /
-    ``MPIX_Query_cuda_support`` from the MPI library, then ``MPICH_GPU_SUPPORT_ENABLED`` (Cray MPICH).
-    """
-    global _CUDA_AWARE, _CUDA_AWARE_WHY
-    if _CUDA_AWARE is not None:
-        return _CUDA_AWARE, _CUDA_AWARE_WHY
-    env = os.environ.get("HPCSPLIT_CUDA_AWARE_MPI")
-    if env is not None:
-        word = env.strip().lower()
-        if word not in _YES | _NO:
-            raise RuntimeStageError(
-                f"HPCSPLIT_CUDA_AWARE_MPI={env!r} is neither on ({'/'.join(sorted(_YES))}) nor off "
-                f"({'/'.join(sorted(_NO))}); set it to 1 only if this MPI takes CUDA device buffers, or unset it "
-                "to ask the MPI library"
-            )
-        _CUDA_AWARE, _CUDA_AWARE_WHY = word in _YES, "HPCSPLIT_CUDA_AWARE_MPI"
-        return _CUDA_AWARE, _CUDA_AWARE_WHY
-    found: bool | None = None
-    why = "no MPIX query in the MPI library"
-    try:
-        lib = ctypes.CDLL(MPI.__file__)
-        if hasattr(lib, "MPIX_GPU_query_support"):
-            out = ctypes.c_int(0)
-            # MPIX_GPU_SUPPORT_CUDA == 0 in MPICH's mpi_proto.h
-            if lib.MPIX_GPU_query_support(ctypes.c_int(0), ctypes.byref(out)) == 0:
-                found, why = bool(out.value), "MPIX_GPU_query_support"
-        if found is None and hasattr(lib, "MPIX_Query_cuda_support"):
-            found, why = bool(lib.MPIX_Query_cuda_support()), "MPIX_Query_cuda_support"
-    except OSError as e:  # pragma: no cover - exotic MPI builds
-        why = f"could not query the MPI library ({e})"
-    if found is None and os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
-        found, why = True, "MPICH_GPU_SUPPORT_ENABLED=1"
-    _CUDA_AWARE, _CUDA_AWARE_WHY = bool(found), why
-    return _CUDA_AWARE, _CUDA_AWARE_WHY
-
-
-# --------------------------------------------------------------------------- buffers
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory (no copy)."""
-    t = t.reshape(-1)
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
-
-
-def _mpi_buffer(t: torch.Tensor) -> list[Any]:
-    """``[buffer, MPI.BYTE]`` for a contiguous uint8 tensor (CPU: numpy view; CUDA: the tensor)."""
-    if t.is_cuda:
-        return [t, t.numel(), MPI.BYTE]
-    return [t.numpy(), MPI.BYTE]
-
-
-def _send_buffer(t: torch.Tensor, cuda_aware: bool) -> tuple[list[Any], list[Any]]:
-    """MPI buffer spec for ``t`` and the objects that must stay alive until the send completes."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.is_cuda:
-        # several slices can share one GPU: the producer stream must be done before MPI reads
-        torch.cuda.current_stream(t.device).synchronize()
-        if not cuda_aware:
-            host = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
-            host.copy_(_byte_view(t))
-            return _mpi_buffer(host), [host]
-    elif t.dtype in _NP_DTYPE and not t.requires_grad:
-        a = t.numpy()  # fast path: numpy exposes the bytes, MPI.BYTE counts them
-        return [a, MPI.BYTE], [t, a]
-    b = _byte_view(t)
-    return _mpi_buffer(b), [t, b]
-
-
+# --------------------------------------------------------------------------- sending
 @dataclass(slots=True)
 class SendHandle:
     """Outstanding nonblocking send of one message; keep it until :meth:`test` is true."""
@@ -298,9 +277,10 @@ class SendHandle:
     nbytes: int = 0  # payload bytes (what a blocking wait may spin for, see in_flight_spin_s)
 
     def test(self) -> bool:
-        if not self.requests:
+        reqs = self.requests
+        if not reqs:
             return True
-        if MPI.Request.Testall(self.requests):
+        if reqs[0].Test() if len(reqs) == 1 else MPI.Request.Testall(reqs):
             self.requests, self.keep = [], []
             return True
         return False
@@ -309,54 +289,6 @@ class SendHandle:
         if self.requests:
             MPI.Request.Waitall(self.requests)
         self.requests, self.keep = [], []
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """A received message: its source rank, header and tensors (in header order)."""
-
-    source: int
-    header: Header
-    tensors: tuple[torch.Tensor, ...]
-
-
-@dataclass(slots=True)
-class RecvHandle:
-    """A message whose header has arrived and whose payloads are being received.
-
-    On the host the :class:`Message` is built before the payloads land (its tensors are the landing
-    buffers): a large copy evicts the caches, and the Python that runs after it runs cold (a tensor
-    made right after a 1 MiB copy costs 3-6x what it costs warm), so nothing but the test is left for then.
-    """
-
-    source: int
-    header: Header
-    requests: list[Any]
-    tensors: list[torch.Tensor]
-    device: torch.device | None = None
-    t_start: float = 0.0
-    message: Message | None = None
-
-    def test(self) -> Message | None:
-        """The message once every payload has arrived, else None."""
-        if self.requests:
-            if not MPI.Request.Testall(self.requests):
-                return None
-            self.requests = []
-        return self.message or self._finish()
-
-    def wait(self) -> Message:
-        if self.requests:
-            MPI.Request.Waitall(self.requests)
-        self.requests = []
-        return self.message or self._finish()
-
-    def _finish(self) -> Message:
-        ts = self.tensors
-        if self.device is not None and self.device.type == "cuda":
-            ts = [t if t.is_cuda else t.to(self.device, non_blocking=True) for t in ts]
-        self.message = Message(self.source, self.header, tuple(ts))
-        return self.message
 
 
 def isend_message(
@@ -368,7 +300,7 @@ def isend_message(
     tensors: Sequence[tuple[int, torch.Tensor]] | Sequence[tuple[int, torch.Tensor, int]] = (),
     aux: int = 0,
 ) -> SendHandle:
-    """Start sending one message: header, then one raw payload per ``(slot, tensor)``.
+    """Start sending one message: header, then the tensors' bytes (behind it or one payload each).
 
     Parameters
     ----------
@@ -387,51 +319,64 @@ def isend_message(
     Returns
     -------
     SendHandle
-        Test or wait on it before touching the tensors again.
+        Test or wait on it before touching the tensors again (tensors sent inline were copied: they
+        may be reused at once).
     """
-    n_route = len(routes[0]) if routes else 0
-    if routes and (len(routes) != len(request_ids) or any(len(r) != n_route for r in routes)):
-        raise RuntimeStageError(f"header routes {routes} do not give one route per request {request_ids}")
-    parts: list[int] = [MAGIC, VERSION, kind, int(aux), len(request_ids), n_route, len(tensors)]
-    parts += request_ids
-    for r in routes:
-        parts += r
-    keep: list[Any] = []
-    bufs: list[Any] = []
-    aware: bool | None = None
-    nbytes = 0
+    words = _header_words(kind, request_ids, routes, len(tensors), aux)
+    inline = 0  # the inline bytes so far; -1: a tensor is not on the host
+    ts = []  # (tensor whose bytes go, its bytes, on the host)
     for x in tensors:
         t = x[1]
-        rdim = x[2] if len(x) > 2 else 0  # type: ignore[misc]
-        try:
-            # fast path (the common case, a CPU tensor without grad of a numpy dtype): one torch call,
-            # numpy gives shape, dtype and bytes; raises for CUDA, grad, bfloat16, conj/neg views
-            a = t.numpy()
-            code = _NP_CODE[a.dtype]
-        except (TypeError, RuntimeError, KeyError):
-            a = None
-        if a is not None and a.flags.c_contiguous:
-            parts += (x[0], rdim, code, a.ndim)
-            parts += a.shape
-            nbytes += a.nbytes
-            bufs.append([a, MPI.BYTE])
-            keep += (t, a)
+        shape = t.shape
+        code = CODE.get(t.dtype) or dtype_code(t.dtype)
+        words += (x[0], x[2] if len(x) > 2 else 0, code, len(shape))  # type: ignore[misc]
+        words += shape
+        nb = t.nbytes
+        if t.is_cpu:
+            if code in COMPLEX_CODES or not t.is_contiguous():
+                t = host_bytes(t)
+            if inline >= 0:
+                inline += (nb + _ALIGN) & ~_ALIGN
+            ts.append((t, nb, True))
+        else:
+            inline = -1
+            ts.append((t, nb, False))
+    hdr = _pack(words)
+    if 0 <= inline <= INLINE_MAX:
+        parts = [hdr]
+        for t, nb, _ in ts:
+            if nb:
+                parts.append(_fromaddress(t.data_ptr(), nb))
+                if nb & _ALIGN:
+                    parts.append(_ZEROS[: -nb & _ALIGN])
+        buf = b"".join(parts)  # one copy of the tensors' bytes, behind the header
+        r = comm.Isend(buf, dest, TAG_HEADER)
+        if r.Test():  # MPI took it at once (an eager message): nothing to keep
+            return _SENT
+        return SendHandle([r], [buf], inline)
+    keep: list[Any] = [hdr]
+    reqs = [comm.Isend(hdr, dest, TAG_HEADER)]  # the header first: non-overtaking orders it before the payloads
+    aware: bool | None = None
+    nbytes = 0
+    for t, nb, cpu in ts:
+        if not nb:  # an empty tensor has no payload (its receiver makes it from the header)
             continue
-        nbytes += t.nbytes
-        code = _CODE.get(t.dtype) or dtype_code(t.dtype)
-        parts += (x[0], rdim, code, t.ndim)
-        parts += t.shape
+        nbytes += nb
+        if cpu:
+            reqs.append(comm.Isend(_fromaddress(t.data_ptr(), nb), dest, TAG_PAYLOAD))
+            keep.append(t)
+            continue
         if t.is_cuda and aware is None:
             aware = cuda_aware_mpi()[0]
-        buf, k = _send_buffer(t, bool(aware))
-        bufs.append(buf)
-        keep.extend(k)
-    hdr = np.array(parts, dtype=np.int64)
-    keep.append(hdr)
-    reqs = [comm.Isend([hdr, MPI.INT64_T], dest=dest, tag=TAG_HEADER)]
-    for buf in bufs:
-        reqs.append(comm.Isend(buf, dest=dest, tag=TAG_PAYLOAD))
+        spec, k = send_buffer(t, bool(aware))
+        keep += k
+        reqs.append(comm.Isend(spec, dest, TAG_PAYLOAD))
+    if _testall(reqs):  # all taken at once (eager): nothing to keep
+        return _SENT
     return SendHandle(reqs, keep, nbytes)
+
+
+_SENT = SendHandle([], [], 0)  # the handle of every send that completed within isend_message (shared)
 
 
 def send_message(comm: Any, dest: int, kind: int, *args: Any, **kwargs: Any) -> None:
@@ -440,114 +385,154 @@ def send_message(comm: Any, dest: int, kind: int, *args: Any, **kwargs: Any) -> 
     wait_polling(h.test, spin_s=in_flight_spin_s(h.nbytes))
 
 
-class _BufferPool:
-    """Reusable host receive buffers, so large payloads do not page-fault fresh memory every time.
+# --------------------------------------------------------------------------- receiving
+@dataclass(slots=True)
+class RecvHandle:
+    """A message being received: its first message still arriving (``header`` None), or its header
+    decoded and its separate payloads being received.
 
-    A buffer is a numpy uint8 array; tensors handed out are ``torch.from_numpy`` views of it, which
-    hold a reference to it.  A buffer is free again when nothing but the pool refers to it
-    (``sys.getrefcount``), i.e. when every tensor made from it (and every view of those) is gone.
-    Sizes are rounded up to quarter-octave classes; at most ``max_bytes`` are kept.
+    On the host the :class:`Message` is built before the payloads land (its tensors are the landing
+    buffers): a large copy evicts the caches, and the Python that runs after it runs cold (a tensor
+    made right after a 1 MiB copy costs 3-6x what it costs warm), so nothing but the test is left for then.
     """
 
-    def __init__(self, min_bytes: int = 64 << 10, max_bytes: int = 2 << 30, per_class: int = 64) -> None:
-        self.min_bytes, self.max_bytes, self.per_class = min_bytes, max_bytes, per_class
-        self.free: dict[int, list[np.ndarray]] = {}
-        self._classes: dict[int, int] = {}  # nbytes -> size class (payload sizes repeat)
-        self.held_bytes = 0
-        self.hits = 0
-        self.misses = 0
+    source: int
+    header: Header | None
+    requests: list[Any]
+    tensors: list[torch.Tensor]
+    device: torch.device | None = None
+    t_start: float = 0.0
+    message: Message | None = None
+    comm: Any = None  # while the first message arrives: where its payloads will be received
+    first: Any = None  # ... and the buffer it lands in
 
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        """Round up to the next of 4 steps per power of two (at most 25% waste).
+    def test(self) -> Message | None:
+        """The message once every part of it has arrived, else None."""
+        reqs = self.requests
+        if reqs:
+            if not (reqs[0].Test() if len(reqs) == 1 else MPI.Request.Testall(reqs)):
+                return None
+            self.requests = []
+        if self.header is None:
+            return self._first_arrived()
+        return self.message or self._finish()
 
-        Examples
-        --------
-        >>> [_BufferPool.size_class(n) for n in (1000, 1024, 1025, 1 << 20, (1 << 20) + 1)]
-        [1024, 1024, 1280, 1048576, 1310720]
-        """
-        if nbytes <= 1:
-            return 1
-        top = 1 << (nbytes - 1).bit_length()
-        step = max(top // 8, 1)
-        return -(-nbytes // step) * step
+    def wait(self) -> Message:
+        while True:
+            if self.requests:
+                MPI.Request.Waitall(self.requests)
+            m = self.test()
+            if m is not None:
+                return m
 
-    def take(self, nbytes: int) -> np.ndarray:
-        if nbytes < self.min_bytes:
-            return np.empty(nbytes, dtype=np.uint8)
-        cls = self._classes.get(nbytes)
-        if cls is None:
-            cls = self.size_class(nbytes)
-            if len(self._classes) < 4096:
-                self._classes[nbytes] = cls
-        bufs = self.free.get(cls)
-        if bufs is None:
-            bufs = self.free[cls] = []
-        for b in bufs:
-            if sys.getrefcount(b) == 3:  # the list, the loop variable, getrefcount's argument
-                self.hits += 1
-                return b[:nbytes]
-        self.misses += 1
-        b = np.empty(cls, dtype=np.uint8)
-        if len(bufs) < self.per_class and self.held_bytes + cls <= self.max_bytes:
-            bufs.append(b)
-            self.held_bytes += cls
-        return b[:nbytes]
+    def cancel(self) -> None:
+        """Give up on the rest of the message: cancel its posted receives (their buffers are then free)."""
+        for r in self.requests:
+            r.Cancel()
+        if self.requests:
+            MPI.Request.Waitall(self.requests)  # a cancelled receive completes locally
+        self.requests = []
 
+    def _first_arrived(self) -> Message | None:
+        got = _arrive(self.comm, self.source, self.first, len(self.first), self.device)
+        self.comm = self.first = None
+        if isinstance(got, RecvHandle):
+            self.header, self.requests, self.tensors, self.message = got.header, got.requests, got.tensors, got.message
+            return self.test()
+        self.header, self.message = got.header, got
+        return got
 
-_POOL = _BufferPool()
-
-
-def _alloc(meta: TensorMeta, device: torch.device | None, aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensor a payload lands in, and the uint8 view MPI writes to."""
-    if device is not None and device.type == "cuda":
-        if aware:
-            t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-        else:
-            t = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
-        return t, _byte_view(t)
-    nbytes = meta.nbytes
-    buf = _POOL.take(nbytes)
-    npdt = _NP_DTYPE.get(meta.dtype)
-    if npdt is not None and nbytes:
-        return torch.from_numpy(np.ndarray(meta.shape, npdt, buf)), buf  # type: ignore[return-value]
-    raw = torch.from_numpy(buf)
-    t = raw.view(meta.dtype).view(meta.shape) if nbytes else torch.empty(meta.shape, dtype=meta.dtype)
-    return t, raw
+    def _finish(self) -> Message:
+        ts = self.tensors
+        if self.device is not None and self.device.type == "cuda":
+            ts = [t if t.is_cuda else t.to(self.device, non_blocking=True) for t in ts]
+        assert self.header is not None
+        self.message = Message(self.source, self.header, tuple(ts))
+        return self.message
 
 
-_HDR_BUF = np.empty(512, dtype=np.int64)  # headers land here (decode copies them out)
-
-
-def poll_message(comm: Any, device: torch.device | None = None, source: int | None = None) -> RecvHandle | None:
-    """If a header is waiting, receive it and post the payload receives; else return None.
-
-    Never blocks: uses a matched probe (``Improbe``), so it is safe with several pollers.  The payload
-    receives are posted at once, before returning: a sender's payload is matched as soon as MPI sees it.
-    """
-    st = MPI.Status()
-    m = comm.Improbe(source=MPI.ANY_SOURCE if source is None else source, tag=TAG_HEADER, status=st)
-    if m is None:
-        return None
-    n = st.Get_count(MPI.INT64_T)
-    hdr_arr = _HDR_BUF[:n] if n <= len(_HDR_BUF) else np.empty(n, dtype=np.int64)
-    m.Recv([hdr_arr, MPI.INT64_T])
-    hdr = decode_header(hdr_arr)
-    source = st.Get_source()
-    aware = cuda_aware_mpi()[0] if device is not None and device.type == "cuda" else False
-    if aware and hdr.tensors:
+def _arrive(comm: Any, src: int, buf: Any, n: int, device: torch.device | None) -> Message | RecvHandle:
+    """A first message received whole: the message (inline), or its payloads posted (separate)."""
+    header, lay, hb = _decode(buf, n)
+    ts: list[torch.Tensor] = []
+    if n > hb:
+        if n != hb + lay.inline_bytes:
+            raise RuntimeStageError(f"a message from rank {src} of {n} bytes carries {n - hb} bytes behind its "
+                                    f"header, which announces {lay.inline_bytes}; sender and receiver differ?")
+        for off, npdt, shape, meta, _nb in lay.parts:
+            ts.append(host_tensor(buf, hb + off, meta) if npdt is None else
+                      _from_numpy(_ndarray(shape, npdt, buf, hb + off)))
+        if device is not None and device.type == "cuda":
+            ts = [t.to(device, non_blocking=True) for t in ts]
+        return _new(Message, (src, header, tuple(ts)))
+    if not lay.parts:
+        return _new(Message, (src, header, ()))
+    reqs = []
+    if device is None or device.type != "cuda":
+        for _off, npdt, shape, meta, nb in lay.parts:
+            if not nb:
+                ts.append(torch.empty(shape, dtype=meta.dtype))
+                continue
+            if nb < _POOL_MIN:  # an exact buffer of its own
+                land = _allocate(nb)
+                reqs.append(comm.Irecv(land, src, TAG_PAYLOAD))
+            else:  # a pooled one of its size class: receive into its first nb bytes
+                land = _take(nb)
+                reqs.append(comm.Irecv([land, nb, _BYTE], src, TAG_PAYLOAD))
+            ts.append(host_tensor(land, 0, meta) if npdt is None else _from_numpy(_ndarray(shape, npdt, land, 0)))
+        msg = _new(Message, (src, header, tuple(ts)))
+        # the payloads may be here already (and from 256 KiB up on one node this call copies them)
+        if reqs[0].Test() if len(reqs) == 1 else _testall(reqs):
+            return msg
+        return RecvHandle(src, header, reqs, ts, device, time.perf_counter(), msg)
+    aware = cuda_aware_mpi()[0]
+    if aware:
         # MPI writes device memory outside stream order: the blocks torch.empty hands out must not
         # still be in use by kernels queued on the stream
         torch.cuda.current_stream(device).synchronize()
-    reqs, tensors = [], []
-    for meta in hdr.tensors:
-        t, view = _alloc(meta, device, aware)
-        tensors.append(t)
-        buf = [view, MPI.BYTE] if isinstance(view, np.ndarray) else _mpi_buffer(view)
-        reqs.append(comm.Irecv(buf, source=source, tag=TAG_PAYLOAD))
-    on_host = device is None or device.type != "cuda"
-    msg = Message(source, hdr, tuple(tensors)) if on_host else None
-    return RecvHandle(source, hdr, reqs, tensors, device, time.perf_counter(), msg)
+    for meta in lay.metas:
+        t, spec = landing(meta, device, aware)
+        ts.append(t)
+        if meta.nbytes:
+            reqs.append(comm.Irecv(spec, src, TAG_PAYLOAD))
+    return RecvHandle(src, header, reqs, ts, device, time.perf_counter(), None)
+
+
+def take_message(comm: Any, device: torch.device | None, source: int, status: Any,
+                 hold: Container[int] = ()) -> Message | RecvHandle | None:
+    """If a message is waiting (from ``source``, or ``MPI.ANY_SOURCE``), take it; else None.
+
+    Returns the :class:`Message` when it arrived whole (inline tensors, or none), else a
+    :class:`RecvHandle` to test.  Never blocks: one matched probe (``Improbe``, safe with several
+    pollers) gives the first message's source and length; it is received into a buffer of that length
+    and its separate payloads, if any, are posted at once.  ``status`` is an ``MPI.Status`` to reuse.
+
+    ``hold``: sources whose previous first message is still arriving.  A message from one of them is
+    returned as a handle and not decoded until the handles before it are (by testing the handles in
+    the order they were taken): its payload receives must be posted after those of the message before,
+    or MPI would pair that message's payloads with this one's receives.
+    """
+    m = comm.Improbe(source, TAG_HEADER, status)
+    if m is None:
+        return None
+    n = status.Get_count(_BYTE)
+    buf = _allocate(n)
+    r = m.Irecv(buf)
+    src = status.Get_source()
+    if r.Test():
+        if src not in hold:
+            return _arrive(comm, src, buf, n, device)
+        r = None
+    # a large first message still arriving, or one that must wait for the one before it
+    return RecvHandle(src, None, [] if r is None else [r], [], device, time.perf_counter(), None, comm, buf)
+
+
+def poll_message(comm: Any, device: torch.device | None = None, source: int | None = None) -> RecvHandle | None:
+    """If a message is waiting, take it (see :func:`take_message`) as a handle to test; else None."""
+    got = take_message(comm, device, MPI.ANY_SOURCE if source is None else source, MPI.Status())
+    if got is None or isinstance(got, RecvHandle):
+        return got
+    return RecvHandle(got.source, got.header, [], list(got.tensors), device, time.perf_counter(), got)
 
 
 def in_flight_spin_s(nbytes: int) -> float:
@@ -591,25 +576,32 @@ def wait_polling(ready: Any, timeout_s: float | None = None, max_sleep_s: float 
 
 def recv_message(comm: Any, source: int | None = None, device: torch.device | None = None,
                  timeout_s: float | None = None, spin_s: float = 50e-6) -> Message:
-    """Receive one whole message, waiting without spinning (see :func:`wait_polling`)."""
-    box: list[RecvHandle] = []
+    """Receive one whole message, waiting without spinning (see :func:`wait_polling`).
 
-    def _hdr() -> bool:
-        h = poll_message(comm, device, source)
-        if h is not None:
-            box.append(h)
-        return bool(box)
+    ``timeout_s`` bounds the wait for the message to start, and again for the rest of it once it has
+    started (a sender stopped or dead half-way is named); None waits as long as it takes.
+    """
+    st = MPI.Status()
+    src = MPI.ANY_SOURCE if source is None else source
+    box: list[Message | RecvHandle] = []
 
-    if not wait_polling(_hdr, timeout_s, spin_s=spin_s):
+    def _first() -> bool:
+        got = take_message(comm, device, src, st)
+        if got is not None:
+            box.append(got)
+            return True
+        return False
+
+    if not wait_polling(_first, timeout_s, spin_s=spin_s):
         raise RuntimeStageError(f"no message from {source if source is not None else 'any rank'} "
                                 f"within {timeout_s} s")
     h = box[0]
-    m = h.test()
-    if m is not None:
-        return m
-    # the payload is known to be in flight: poll it back to back for its expected transfer time
-    # (a plain loop: the copy runs inside these calls), then fall back to the sleeping wait
-    t_end = time.perf_counter() + max(spin_s, in_flight_spin_s(sum(t.nbytes for t in h.header.tensors)))
+    if not isinstance(h, RecvHandle):
+        return h
+    # the rest is known to be in flight: poll it back to back for its expected transfer time (a plain
+    # loop: the copy runs inside these calls), then fall back to the sleeping wait
+    known = sum(t.nbytes for t in h.header.tensors) if h.header is not None else len(h.first)
+    t_end = time.perf_counter() + max(spin_s, in_flight_spin_s(known))
     test = h.test
     while time.perf_counter() < t_end:
         m = test()
@@ -617,11 +609,17 @@ def recv_message(comm: Any, source: int | None = None, device: torch.device | No
             return m
     done: list[Message] = []
 
-    def _pay() -> bool:
+    def _rest() -> bool:
         got = test()
         if got is not None:
             done.append(got)
         return bool(done)
 
-    wait_polling(_pay, spin_s=0.0)
+    if not wait_polling(_rest, timeout_s, spin_s=0.0):
+        h.cancel()
+        what = (f"{len(h.header.tensors)} tensor(s), {known} bytes" if h.header is not None
+                else f"its first {known} bytes")
+        raise RuntimeStageError(f"rank {h.source} started a message ({what}) that did not arrive whole within "
+                                f"{timeout_s} s of its start; is rank {h.source} stopped or dead? (Its later "
+                                "messages cannot be paired with their payloads: end the job.)")
     return done[0]

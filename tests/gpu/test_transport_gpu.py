@@ -58,9 +58,9 @@ def test_cuda_tensors_cross_ranks_through_pinned_buffers(tmp_path: Path) -> None
 def test_send_buffers_are_pinned_host_copies() -> None:
     import torch
 
-    from hpcsplit.runtime import transport as tp
+    from hpcsplit.runtime import buffers as bf
 
     t = torch.randn(257, 33, device="cuda")
-    _buf, keep = tp._send_buffer(t, cuda_aware=False)
+    _buf, keep = bf.send_buffer(t, cuda_aware=False)
     assert keep and keep[0].is_pinned() and not keep[0].is_cuda
     assert torch.equal(keep[0].view(torch.float32).view(257, 33), t.cpu())

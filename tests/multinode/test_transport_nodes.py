@@ -40,4 +40,8 @@ def test_transport_bench_one_node_beside_two_nodes(tmp_path: Path) -> None:
     table = res.stdout[res.stdout.index("# transport, one node"):]
     assert f"({two['hosts'][0]} <-> {two['hosts'][1]}, network)" in table
     assert len([ln for ln in table.splitlines() if ln.strip().startswith(("4K |", "1M |"))]) == 2
+    # both targets judged for each run, one node and two nodes
+    for part in table.split("\none node:")[1].split("\ntwo nodes:"):
+        assert "target: one-way latency within 5 us of raw up to 64 KiB" in part
+        assert part.count("-> holds") + part.count("-> MISSED") == 4, part
 

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpcsplit.errors import RuntimeStageError
+from hpcsplit.runtime import buffers as bf
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 
@@ -27,7 +28,7 @@ def test_header_roundtrip_every_dtype(dtype: torch.dtype) -> None:
 def test_header_without_routes_or_tensors() -> None:
     h = tp.Header(tp.KIND_STOP)
     assert tp.decode_header(tp.encode_header(h)) == h
-    assert len(tp.encode_header(h)) == 7
+    assert len(tp.encode_header(h)) == 8  # the fixed words (the header's length is the 8th)
 
 
 def test_header_rejects_foreign_words() -> None:
@@ -42,7 +43,7 @@ def test_header_rejects_ragged_routes() -> None:
 
 def test_unknown_dtype_code_is_reported() -> None:
     a = tp.encode_header(tp.Header(tp.KIND_DATA, (1,), (), (tp.TensorMeta(0, torch.float32, (1,)),)))
-    a[10] = 99  # the dtype code of the first tensor (after 7 fixed words, 1 id, slot, rdim)
+    a[11] = 99  # the dtype code of the first tensor (after 8 fixed words, 1 id, slot, rdim)
     with pytest.raises(RuntimeStageError, match="unknown dtype code 99"):
         tp.decode_header(a)
 
@@ -54,37 +55,53 @@ def test_dtype_outside_the_table_is_refused() -> None:
 
 def test_send_buffer_is_a_view_not_a_copy() -> None:
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
-    buf, _keep = tp._send_buffer(t, cuda_aware=False)
-    arr = buf[0]
-    assert arr.ctypes.data == t.data_ptr()
+    buf, _keep = bf.send_buffer(t, cuda_aware=False)
+    assert buf[0].address == t.data_ptr() and buf[0].nbytes == 48
     b16 = t.to(torch.bfloat16)
-    buf, _keep = tp._send_buffer(b16, cuda_aware=False)
-    assert buf[0].nbytes == b16.numel() * 2
+    buf, _keep = bf.send_buffer(b16, cuda_aware=False)
+    assert buf[0].address == b16.data_ptr() and buf[0].nbytes == b16.numel() * 2
+    z = torch.complex(t, t).conj()  # a conj view: its bytes are not yet conjugated, so they are copied
+    buf, keep = bf.send_buffer(z, cuda_aware=False)
+    assert buf[0].address != z.data_ptr() and torch.equal(keep[0], z.resolve_conj())
 
 
-def test_alloc_receives_into_pooled_tensor_and_reuses_it() -> None:
+def test_landing_receives_into_pooled_tensor_and_reuses_it() -> None:
     meta = tp.TensorMeta(0, torch.float32, (256, 256))
-    pool = tp._POOL
-    t, view = tp._alloc(meta, None, False)
+    pool = bf.POOL
+    t, spec = bf.landing(meta, None, False)
     assert t.shape == (256, 256) and t.dtype == torch.float32
+    assert spec[1] == meta.nbytes  # MPI writes the payload's bytes, not the size class's
     ptr = t.data_ptr()
-    del t, view
-    t2, _ = tp._alloc(meta, None, False)
+    del t, spec
+    t2, _ = bf.landing(meta, None, False)
     assert t2.data_ptr() == ptr  # the buffer came back to the pool
-    t3, _ = tp._alloc(meta, None, False)
+    t3, _ = bf.landing(meta, None, False)
     assert t3.data_ptr() != t2.data_ptr()  # t2 is still alive: never handed out twice
     assert pool.size_class(1 << 20) == 1 << 20
 
 
 def test_pool_buffer_stays_busy_while_a_view_lives() -> None:
     meta = tp.TensorMeta(0, torch.float32, (128, 512))
-    t, _ = tp._alloc(meta, None, False)
+    t, _ = bf.landing(meta, None, False)
     row = t[3:4]
     ptr = t.data_ptr()
     del t
-    t2, _ = tp._alloc(meta, None, False)
+    t2, _ = bf.landing(meta, None, False)
     assert t2.data_ptr() != ptr
     assert sys.getrefcount(row) >= 2
+
+
+@pytest.mark.parametrize("dtype", bf.DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 7)])
+def test_host_tensor_views_the_bytes_of_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The inline receive path: a tensor at an offset of a received buffer, no copy (a 0-byte one is empty)."""
+    src = (torch.arange(int(np.prod(shape)), dtype=torch.float64) % 7).to(dtype).reshape(shape)
+    raw = np.zeros(64 + src.nbytes, dtype=np.uint8)
+    raw[64:] = src.reshape(-1).view(torch.uint8).numpy()
+    t = bf.host_tensor(raw, 64, tp.TensorMeta(0, dtype, shape))
+    assert t.dtype == dtype and tuple(t.shape) == shape and torch.equal(t, src)
+    if src.nbytes:
+        assert t.data_ptr() == raw.ctypes.data + 64
 
 
 def test_backoff_sleeps_only_after_spinning() -> None:
@@ -125,34 +142,34 @@ def test_a_long_spin_yields_the_core_past_the_short_one(monkeypatch: pytest.Monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_stage_through_pinned_host_memory() -> None:
     t = torch.arange(1000, dtype=torch.float32, device="cuda") * 2
-    _buf, keep = tp._send_buffer(t, cuda_aware=False)
+    _buf, keep = bf.send_buffer(t, cuda_aware=False)
     host = keep[0]
     assert host.is_pinned() and not host.is_cuda
     assert torch.equal(host.view(torch.float32), t.cpu())
     meta = tp.TensorMeta(0, torch.float32, (10, 100))
-    landing, _view = tp._alloc(meta, torch.device("cuda"), aware=False)
+    landing, _view = bf.landing(meta, torch.device("cuda"), aware=False)
     assert landing.is_pinned()
     landing.copy_(t.cpu().view(10, 100))
     msg = tp.RecvHandle(3, tp.Header(tp.KIND_DATA), [], [landing], torch.device("cuda")).test()
     assert msg is not None and msg.tensors[0].is_cuda
     assert torch.equal(msg.tensors[0].view(-1), t)
-    aware_buf, _ = tp._send_buffer(t, cuda_aware=True)
+    aware_buf, _ = bf.send_buffer(t, cuda_aware=True)
     assert aware_buf[0] is not None
 
 
 @pytest.mark.parametrize(("value", "aware"), [("1", True), ("True", True), ("YES", True), ("on", True),
                                              ("0", False), ("False", False), ("No", False), ("", False)])
 def test_cuda_aware_override_reads_any_case(monkeypatch: pytest.MonkeyPatch, value: str, aware: bool) -> None:
-    monkeypatch.setattr(tp, "_CUDA_AWARE", None)
-    monkeypatch.setattr(tp, "_CUDA_AWARE_WHY", "")
+    monkeypatch.setattr(bf, "_CUDA_AWARE", None)
+    monkeypatch.setattr(bf, "_CUDA_AWARE_WHY", "")
     monkeypatch.setenv("HPCSPLIT_CUDA_AWARE_MPI", value)
     assert tp.cuda_aware_mpi() == (aware, "HPCSPLIT_CUDA_AWARE_MPI")
 
 
 def test_cuda_aware_override_refuses_other_words(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tp, "_CUDA_AWARE", None)
-    monkeypatch.setattr(tp, "_CUDA_AWARE_WHY", "")
+    monkeypatch.setattr(bf, "_CUDA_AWARE", None)
+    monkeypatch.setattr(bf, "_CUDA_AWARE_WHY", "")
     monkeypatch.setenv("HPCSPLIT_CUDA_AWARE_MPI", "maybe")
     with pytest.raises(RuntimeStageError, match="HPCSPLIT_CUDA_AWARE_MPI='maybe' is neither on"):
         tp.cuda_aware_mpi()
-    assert tp._CUDA_AWARE is None  # nothing decided: the next call asks again
+    assert bf._CUDA_AWARE is None  # nothing decided: the next call asks again

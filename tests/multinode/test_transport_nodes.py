@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,38 @@ def test_transport_bench_one_node_beside_two_nodes(tmp_path: Path) -> None:
         assert "target: one-way latency within 5 us of raw up to 64 KiB" in part
         assert part.count("-> holds") + part.count("-> MISSED") == 4, part
 
+
+
+def _srun_script(tmp_path: Path, script: str, ntasks: int, timeout_s: float = 300) -> list:
+    """Run ``script`` as ``ntasks`` ranks spread over both nodes (the dev2 preset's setup lines and srun options,
+    MPI between the nodes through OFI's tcp provider); rank 0's ``RESULT`` line."""
+    from hpcsplit.core.cluster import ClusterSpec
+    from hpcsplit.core.settings import group_defaults
+    from hpcsplit.launch.slurm import site_options
+
+    sl = ClusterSpec.from_config(group_defaults("cluster", "dev2")).slurm
+    assert sl is not None
+    (tmp_path / "job.py").write_text(script)
+    srun = ["srun", "--nodes", "2", "--ntasks", str(ntasks), "--ntasks-per-node", str(ntasks // 2), "--cpus-per-task",
+            "1", f"--mpi={sl.srun_mpi}", "--time=5", "--kill-on-bad-exit=1", "--job-name", "hpcsplit-transport-test"]
+    for key, value in site_options(sl).items():
+        srun += [f"--{key}", value]
+    cmd = "\n".join(["set -e", *sl.setup, "exec " + shlex.join([*srun, sys.executable, str(tmp_path / "job.py")])])
+    p = subprocess.run(["bash", "-c", cmd], cwd=mn.REPO, env=mn.env(), capture_output=True, text=True,
+                       timeout=timeout_s, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_every_size_class_and_many_in_flight_arrive_intact_across_nodes(tmp_path: Path) -> None:
+    """The one-node transport tests' messages (tests/mpi/test_transport.py) between ranks on two nodes: every
+    size class and dtype, inline and separate; and three senders, one beside the receiver and two on the
+    other node, with many messages in flight, each sender's in its order."""
+    from tests.mpi.test_transport import MANY, SIZES
+
+    r1 = _srun_script(tmp_path, SIZES, 2)[1]
+    assert r1["bad"] == [] and r1["count"] == r1["n"] + 1 and r1["pending"] == 0, r1
+    r0 = _srun_script(tmp_path, MANY, 4)[0]
+    assert r0["bad"] == [] and r0["pending"] == 0, r0
+    assert r0["counts"] == {"1": 60, "2": 60, "3": 60} and r0["order"] == {"1": True, "2": True, "3": True}

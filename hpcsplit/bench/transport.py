@@ -110,12 +110,12 @@ def _pingpong(comm, rank: int, nbytes: int, iters: int, methods: tuple[str, ...]
     t = _tensor(nbytes)
     raw_buf = np.empty(nbytes // 4, dtype=np.float32)
     peer = 1 - rank
-    # "bare": our wire protocol in a few lines of mpi4py (up to INLINE_MAX one message, the header with the
+    # "bare": our wire protocol in a few lines of mpi4py (up to the inline limit one message, the header with the
     # payload behind it; above, the header, then the payload into one preallocated buffer), making one
     # tensor: what any Python implementation of it costs at least
     meta = tp.TensorMeta(0, torch.float32, (nbytes // 4,))
     bare_hdr = tp.encode_header(tp.Header(tp.KIND_DATA, (0,), (), (meta,)))
-    bare_inline = nbytes <= tp.INLINE_MAX
+    bare_inline = nbytes <= tp.inline_limit(comm, peer)
     bare_in: Any = MPI.buffer.allocate(bare_hdr.nbytes + nbytes)
     bare_st = MPI.Status()
 
@@ -272,6 +272,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     hosts = comm.allgather(socket.gethostname())
+    tp.set_node_peers(comm, [r for r, h in enumerate(hosts) if h == hosts[rank]])  # as the runtime does
     rows = []
     for nbytes in sizes:
         it = _iters_for(nbytes, args.iters)
@@ -292,7 +293,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"# ranks on {hosts[0]} and {hosts[1]}{' (one node)' if hosts[0] == hosts[1] else ' (two nodes)'}, "
           f"{os.cpu_count()} cores on rank 0's (shared machine: figures are indicative)")
     print(f"# raw: preallocated buffers, sizes known in advance; ours: header + payload (behind the header up to "
-          f"{tp.INLINE_MAX >> 10} KiB, else separate into a pooled tensor); pickle: mpi4py send/recv of the tensor")
+          f"{tp.inline_limit(comm, 1 - rank) >> 10} KiB here, else separate into a pooled tensor); pickle: mpi4py "
+          "send/recv of the tensor")
     print("\n## latency: ping-pong, one-way time = round trip / 2 (best and median of 'iters'); idle = ours with "
           "the transport's non-spinning wait")
     head = (f"{'size':>6} {'iters':>5} | {'raw us':>8} {'bare us':>8} {'ours us':>8} {'pickle us':>9} "

@@ -32,7 +32,7 @@ from hpcsplit.runtime.routing import (
 )
 from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 from hpcsplit.runtime.threads import ThreadChoice
-from hpcsplit.runtime.transport import cuda_aware_mpi
+from hpcsplit.runtime.transport import cuda_aware_mpi, set_node_peers
 from hpcsplit.switchboard.reader import Switchboard
 
 __all__ = ["bind_device", "run_rank"]
@@ -111,6 +111,7 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     barrier(comm, timeout_s=rt.load_timeout_s, what="loading the switchboard",
             name=lambda r: describe_rank(plan, r))
     hosts = tuple(str(h) for h in comm.allgather(socket.gethostname()))
+    set_node_peers(comm, [r for r, h in enumerate(hosts) if h == hosts[rank]])  # the transport's inline limits
     ctx = RankContext(comm=comm, rank=rank, runtime=rt, bench=bench, plan=plan, entry=entry, switchboard=sb,
                       paths=paths, device=device, threads=threads, hosts=hosts)
     db = None

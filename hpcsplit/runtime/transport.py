@@ -2,8 +2,8 @@
 
 [Note: transport wire format]
 A message starts with one MPI message on ``TAG_HEADER``: the header, and behind it, when every tensor is
-on the host and their bytes total at most ``INLINE_MAX`` (64 KiB), every tensor's bytes, each at a
-64-byte aligned offset.  A larger message (or one with GPU tensors) sends the header alone, then one
+on the host and their bytes total at most :func:`inline_limit` (16 KiB on one node, 64 KiB between
+nodes), every tensor's bytes, each at a 64-byte aligned offset.  A larger message (or one with GPU tensors) sends the header alone, then one
 payload per tensor that has bytes on ``TAG_PAYLOAD``, straight from the tensor's memory; MPI's non-overtaking rule (same
 source, tag and communicator arrive in order) pairs payloads with their header, so a receiver that posts
 the payload receives of each header in the order the headers arrive never mixes two messages.  Which of
@@ -25,8 +25,8 @@ first batch dim of that value; other batch dims, if any, have size 1).
 The receiver matches the first message with one ``Improbe``, which gives its source and length, receives
 it into one buffer and hands out tensors that view that buffer (inline) or the buffers their separate
 payloads land in (pooled, ``buffers.BufferPool``): no copy on either side beyond MPI's own, except the
-sender's copy of small tensors behind the header (cheaper than a second MPI message up to
-``INLINE_MAX``; ``docs/runtime.md``, Transport).
+sender's copy of small tensors behind the header (cheaper than a second MPI message up to the inline
+limit; ``docs/runtime.md``, Transport).
 
 GPU tensors: with a CUDA-aware MPI (:func:`cuda_aware_mpi`) the device buffer is handed to MPI after
 the producing stream is synchronised; otherwise they are staged through pinned host memory.
@@ -62,6 +62,7 @@ from hpcsplit.runtime.buffers import POOL as _POOL
 
 __all__ = [
     "INLINE_MAX",
+    "INLINE_MAX_REMOTE",
     "KIND_CONTROL",
     "KIND_DATA",
     "KIND_ERROR",
@@ -80,10 +81,12 @@ __all__ = [
     "dtype_code",
     "encode_header",
     "in_flight_spin_s",
+    "inline_limit",
     "isend_message",
     "poll_message",
     "recv_message",
     "send_message",
+    "set_node_peers",
     "take_message",
     "wait_polling",
 ]
@@ -97,7 +100,8 @@ KIND_CONTROL = 4
 KIND_ROW_ERROR = 5  # batch mode: these requests failed in a component (payload: the message); it keeps serving
 TAG_HEADER = 7101
 TAG_PAYLOAD = 7102
-INLINE_MAX = 64 << 10  # tensors' bytes (aligned) up to which they travel behind the header, in one message
+INLINE_MAX = 16 << 10  # tensors' bytes (aligned) up to which they travel behind the header, in one message
+INLINE_MAX_REMOTE = 64 << 10  # ... to a rank on another node (see set_node_peers)
 _FIXED = 8
 _ALIGN = 63  # offsets of inline tensors are multiples of 64 bytes (mask)
 _PAD = [0] * 8
@@ -268,6 +272,29 @@ def decode_header(a: Any) -> Header:
 
 
 # --------------------------------------------------------------------------- sending
+_REMOTE: tuple[Any, frozenset[int]] = (None, frozenset())  # (comm, its ranks on other nodes than this one)
+
+
+def set_node_peers(comm: Any, on_this_node: Sequence[int]) -> None:
+    """Tell the transport which ranks of ``comm`` share this rank's node (see :func:`inline_limit`)."""
+    global _REMOTE
+    local = set(on_this_node)
+    _REMOTE = (comm, frozenset(r for r in range(comm.Get_size()) if r not in local))
+
+
+def inline_limit(comm: Any, dest: int) -> int:
+    """How many bytes of tensors travel behind the header to ``dest``: ``INLINE_MAX_REMOTE`` (64 KiB) to a
+    rank on another node (:func:`set_node_peers`), else ``INLINE_MAX`` (16 KiB).
+
+    Between nodes every MPI message costs a network round of its own (OFI: a few microseconds of system
+    calls on each side), so a second message costs more than copying 64 KiB behind the header; on one
+    node it costs less than copying more than 16 KiB behind the header and out of MPI's queue.  Without
+    :func:`set_node_peers` every rank counts as on this node.
+    """
+    remote = _REMOTE
+    return INLINE_MAX_REMOTE if remote[0] is comm and dest in remote[1] else INLINE_MAX
+
+
 @dataclass(slots=True)
 class SendHandle:
     """Outstanding nonblocking send of one message; keep it until :meth:`test` is true."""
@@ -342,7 +369,7 @@ def isend_message(
             inline = -1
             ts.append((t, nb, False))
     hdr = _pack(words)
-    if 0 <= inline <= INLINE_MAX:
+    if 0 <= inline <= inline_limit(comm, dest):
         parts = [hdr]
         for t, nb, _ in ts:
             if nb:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 
 # the sender and the receiver build the same messages from the same recipe (seeded)
 COMMON = r'''
-import json, os, signal, sys, time
+import json, os, signal, socket, sys, time
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -48,17 +48,21 @@ if rank == 0:
 '''
 
 SIZES = COMMON + r'''
-# (slot, shape) per tensor: 0 bytes, a scalar, a few bytes, just under and over the inline limit,
+# the inline limits as the runtime sets them: 16 KiB to a rank on this node, 64 KiB to one on another
+hosts = comm.allgather(socket.gethostname())
+tp.set_node_peers(comm, [r for r, h in enumerate(hosts) if h == hosts[rank]])
+# (slot, shape) per tensor: 0 bytes, a scalar, a few bytes, just under and over both inline limits,
 # 1 and 4 MiB (single copy on one node), and messages that mix a small tensor with a large one
 CASES = []
 for k, dt in enumerate(DTYPES):
     it = torch.empty((), dtype=dt).element_size()
-    lim = tp.INLINE_MAX // it
+    lim, far = tp.INLINE_MAX // it, tp.INLINE_MAX_REMOTE // it
     CASES += [[(0, (0, 3))], [(0, ())], [(1, (3, 5))], [(0, (lim - 64 // it,))], [(0, (lim + 1,))],
+              [(0, (far - 64 // it,))], [(0, (far + 1,))],
               [(0, ((1 << 20) // it,))], [(0, ((4 << 20) // it,)), (2, (2, 3))], [(0, (4, 4)), (1, (0,)), (2, (lim,))]]
     CASES += [[(0, (7, 9), "transposed")], [(0, (2, 3, 4), "sliced")]]
 RDIM = lambda i, j: (i + j) % 2
-out = {"n": len(CASES)}
+out = {"n": len(CASES), "limit": tp.inline_limit(comm, 1 - rank), "two_nodes": hosts[0] != hosts[1]}
 if rank == 0:
     hs = []
     for i, case in enumerate(CASES):
@@ -113,8 +117,9 @@ else:
 
 
 def test_every_size_class_and_dtype_arrives_intact(tmp_path: Path) -> None:
-    _r0, r1 = run_job(tmp_path, SIZES, 2, timeout_s=180)
+    r0, r1 = run_job(tmp_path, SIZES, 2, timeout_s=180)
     assert r1["bad"] == [] and r1["count"] == r1["n"] + 1, r1
+    assert r0["limit"] == r1["limit"] == 16 << 10 and not r0["two_nodes"]  # both ranks on this node
     assert r1["last_kind"] == 2 and r1["pending"] == 0  # the STOP came last, nothing left behind
 
 

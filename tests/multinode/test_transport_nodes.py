@@ -76,8 +76,9 @@ def test_every_size_class_and_many_in_flight_arrive_intact_across_nodes(tmp_path
     other node, with many messages in flight, each sender's in its order."""
     from tests.mpi.test_transport import MANY, SIZES
 
-    r1 = _srun_script(tmp_path, SIZES, 2)[1]
+    r0, r1 = _srun_script(tmp_path, SIZES, 2)
     assert r1["bad"] == [] and r1["count"] == r1["n"] + 1 and r1["pending"] == 0, r1
+    assert r0["two_nodes"] and r0["limit"] == r1["limit"] == 64 << 10  # the other node's inline limit
     r0 = _srun_script(tmp_path, MANY, 4)[0]
     assert r0["bad"] == [] and r0["pending"] == 0, r0
     assert r0["counts"] == {"1": 60, "2": 60, "3": 60} and r0["order"] == {"1": True, "2": True, "3": True}

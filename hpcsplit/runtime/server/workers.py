@@ -25,6 +25,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
+from prometheus_client import Gauge
+
 from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime.server import channel as ch
 from hpcsplit.runtime.server.hub import Hub, Ticket
@@ -164,6 +166,9 @@ class Workers:
             raise
 
     async def _start(self, timeout_s: float) -> None:
+        g = Gauge("hpcsplit_server_workers", "Protocol worker processes serving (runtime.server_workers)",
+                  registry=self.hub.registry)
+        g.set_function(lambda: len(self.procs) - len(self.dead))
         try:
             self._held = [_reserve(self.host, p) for p in self._want]
         except OSError as e:

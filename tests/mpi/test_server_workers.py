@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -269,6 +270,13 @@ def test_tls_on_the_frontends_own_servers(tmp_path: Path, toy_sb: Path) -> None:
     srv = start_server(tmp_path, toy_sb, {"server_workers": 0, "tls_cert": str(cert), "tls_key": str(key)})
     try:
         _check_tls(srv, toy_sb, ca)
+        # the login side's status line: the token goes only to the server with that very certificate
+        from hpcsplit.launch.serve_watch import fetch_pinned, parse_metrics
+
+        text = fetch_pinned("127.0.0.1", srv.ep["http_port"], "/metrics", srv.token, str(cert)).decode()
+        assert parse_metrics(text)["ok"] >= 2
+        with pytest.raises(ssl.SSLError, match="another certificate"):
+            fetch_pinned("127.0.0.1", srv.ep["http_port"], "/metrics", srv.token, str(ca))
     finally:
         assert srv.stop() == 0, srv.log.read_text()[-3000:]
 

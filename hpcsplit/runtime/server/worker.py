@@ -179,6 +179,9 @@ async def _serve(sock: socket.socket, index: int) -> int:
     tls = load_tls(cfg["tls_cert"], cfg["tls_key"])
     srv = Servers(hub, cfg["host"], cfg["http_port"], cfg["grpc_port"], cfg["max_body"], tls, reuse_port=True)
     await srv.start()
+    # ready once listening: the frontend checked the model before it started the workers, and it refuses
+    # what reaches it before its own hub is ready; draining and failure come with its STATE frames
+    hub.ready.set()
     link.send(ch.json_frame(ch.READY, {"pid": os.getpid(), "http_port": srv.http_port, "grpc_port": srv.grpc_port}))
     deadline: list[float] = []
 

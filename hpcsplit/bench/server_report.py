@@ -50,14 +50,15 @@ def report(args: argparse.Namespace, table: list[tuple[str, int, dict[str, Any]]
         print(f"{label:<12} {c:>4} | " + " | ".join(cells))
     # ---- issue 31: CPU per request, against the base code, the workers
     print("\nCPU per request (us, /proc utime + stime of the frontend rank or the echo, over each perf_analyzer run)"
-          + ("; workers: frontend + workers" if workers else ""))
+          + ("; with workers: the frontend rank's, the workers' together, and the rate against the better hop"
+             if workers else ""))
     head = f"{'protocol':<12} {'conc':>4} | {'echo':>7} {main or '-':>9} {'/echo':>6}"
     if "base" in kinds:
         head += f" {'base':>7} {'/echo':>6} | {'rate new/base':>13}"
     for w in workers:
-        head += f" | {w[:14]:>14} {'us':>6} {'/hop':>5}"
+        head += f" | {w[:14]:>14} {'fe us':>6} {'/echo':>5} {'w us':>6} {'/hop':>5}"
     print(head)
-    cpu_rows, grpc8, hop_rows = [], None, []
+    cpu_rows, grpc8, hop_rows, wcpu_rows, wgrpc8 = [], None, [], [], {}
     for label, c, got in table:
         e, h = got.get("echo"), got.get(main) if main else None
         best = max((x for x in (got.get("hop-wait"), got.get("hop-spin")) if x), key=lambda x: x.rate, default=None)
@@ -71,12 +72,15 @@ def report(args: argparse.Namespace, table: list[tuple[str, int, dict[str, Any]]
             line += f" {_f(b.fe_us if b else None)} {_f(_ratio(b, e, 'fe_us'), '.2f', 6)} | {_f(nb, '.2f', 13)}"
             if label == "grpc" and c == 8:
                 grpc8 = nb
+                wgrpc8 = {w: _ratio(got.get(w), b) for w in workers}
         for w in workers:
             r = got.get(w)
-            tot = (r.fe_us or 0) + (r.w_us or 0) if r and r.fe_us is not None else None
             vs = _ratio(r, best)
             hop_rows.append((w, label, c, vs))
-            line += f" | {_f(r.rate if r else None, width=14)} {_f(tot, width=6)} {_f(vs, '.2f', 5)}"
+            if label in ("http-binary", "grpc"):
+                wcpu_rows.append((w, label, c, _ratio(r, e, "fe_us")))
+            line += (f" | {_f(r.rate if r else None, width=14)} {_f(r.fe_us if r else None, width=6)} "
+                     f"{_f(_ratio(r, e, 'fe_us'), '.2f', 5)} {_f(r.w_us if r else None, width=6)} {_f(vs, '.2f', 5)}")
         print(line)
     # ---- issue 18's ratios, for the protocol on the frontend's thread
     print(f"\n{main}: rate against the echo and the better hop, added p50 ms")
@@ -98,10 +102,15 @@ def report(args: argparse.Namespace, table: list[tuple[str, int, dict[str, Any]]
     ok_cpu = bool(cpu_rows) and all(r is not None and r <= CPU_TARGET for *_, r in cpu_rows)
     print(f"verdict (issue 31): the frontend's CPU per request <= {CPU_TARGET}x the echo's (HTTP binary, gRPC): "
           f"{'yes' if ok_cpu else 'no'} ({', '.join(f'{lab} {c}: ' + _f(r, '.2f', 0) for lab, c, r in cpu_rows)})")
+    for w in workers:
+        rows = [x for x in wcpu_rows if x[0] == w]
+        ok_w = bool(rows) and all(r is not None and r <= CPU_TARGET for *_, r in rows)
+        print(f"  {w}: the frontend rank's CPU per request <= {CPU_TARGET}x the echo's: {'yes' if ok_w else 'no'} "
+              f"({', '.join(f'{lab} {c}: ' + _f(r, '.2f', 0) for _, lab, c, r in rows)})")
     if "base" in kinds:
         print(f"verdict (issue 31): unary gRPC at 8 clients >= {GRPC_TARGET}x the base code's rate: "
               + ("n/a (no gRPC level at 8)" if grpc8 is None else f"{'yes' if grpc8 >= GRPC_TARGET else 'no'} "
-                 f"({grpc8:.2f}x)"))
+                 f"({main} {grpc8:.2f}x" + "".join(f", {w} {_f(v, '.2f', 0)}x" for w, v in wgrpc8.items()) + ")"))
     if workers:
         ok_w = all(v is not None and v >= HOP_TARGET for *_, v in hop_rows)
         print(f"verdict (issue 31): with protocol workers, the rate >= {HOP_TARGET} of the better hop on every row: "

@@ -81,7 +81,7 @@ def encode_request(seq: int, t_arrival: float, protocol: int, req: InferRequest)
     rid = req.id.encode()[:65535]
     meta = (_REQ.pack(seq, t_arrival, req.batch, protocol, len(req.outputs), len(rid))
             + struct.pack(f"<{len(req.outputs)}H{len(req.outputs)}B", *req.outputs, *req.binary) + rid)
-    arrays = [memoryview(np.ascontiguousarray(a)).cast("B") for a in req.arrays]
+    arrays = [np.ascontiguousarray(a).data.cast("B") for a in req.arrays]
     return frame(REQ, meta, *arrays)
 
 
@@ -120,7 +120,7 @@ def encode_answer(seq: int, outputs: Sequence[np.ndarray]) -> list[bytes | memor
     for a in outputs:
         a = np.ascontiguousarray(a)
         parts.append(_ARR.pack(a.ndim, a.dtype.str.encode()) + struct.pack(f"<{a.ndim}q", *a.shape))
-        parts.append(memoryview(a).cast("B") if a.size else b"")
+        parts.append(a.data.cast("B") if a.size else b"")
     return frame(ANS, *parts)
 
 

@@ -18,6 +18,11 @@ sockets are readers of the loop: one ``epoll`` waits for clients and ranks alike
 ``DOORBELL_MIN_SLEEP_S``) are a plain sleep, since asyncio's timers wait in whole milliseconds; with nothing
 in flight the loop waits on the doorbell at once (only a client or a rank can bring work then).
 
+With ``runtime.server_workers`` > 0 (null: one per spare core of the node) the two servers run in
+protocol worker processes instead, on the same ports, and hand their checked requests to this loop over
+a channel each (``[Note: protocol workers]`` in :mod:`~hpcsplit.runtime.server.worker`); the loop below is
+the same.  With ``runtime.tls_cert`` and ``runtime.tls_key`` both protocols are served over TLS.
+
 Checked requests come through the :class:`~hpcsplit.runtime.server.hub.Hub`'s bounded queue into
 :func:`serve_requests`, which admits their samples (a request of batch N is N samples) into the same
 routing, batching and replicas as batch and bench mode (at most ``runtime.max_inflight`` samples in the
@@ -61,6 +66,7 @@ from hpcsplit.runtime.threads import usable_cores
 
 __all__ = ["VERSION", "ServeLoop", "Servers", "model_spec", "protocol_workers", "run_server", "serve_requests",
            "write_private"]
+
 
 def model_spec(ctx: RankContext, fe: Frontend) -> ModelSpec:
     """The served model: the switchboard's name, inputs and outputs in the dataflow's order."""

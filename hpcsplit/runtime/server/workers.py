@@ -13,6 +13,7 @@ left the server stops with an error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -190,7 +191,7 @@ class Workers:
                      str(k)], pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL))
             finally:
                 theirs.close()
-            _, link = await loop.create_connection(lambda k=k: _WorkerLink(loop, self, k), sock=mine)
+            _, link = await loop.create_connection(functools.partial(_WorkerLink, loop, self, k), sock=mine)
             link.send(ch.json_frame(ch.CONFIG, cfg))
             self.links.append(link)
         t_end = time.monotonic() + timeout_s

@@ -7,7 +7,8 @@
   through them; SIGTERM with requests in flight: every one is answered with its outputs, exit 0, the workers
   gone.
 - TLS with tritonclient HTTP (``ssl=True`` and the test's CA) and gRPC (``ssl=True``, root certificates), on
-  the frontend's own servers and through workers; plain HTTP to a TLS port fails; the token is still needed.
+  the frontend's own servers and through workers (perf_analyzer too); plain HTTP to a TLS port fails, a CA
+  that did not sign the certificate is refused, the token is still needed; the login side's pinned poll.
 - A worker killed with SIGKILL is named in the log and the other goes on serving; the frontend rank killed
   with SIGKILL takes its workers with it (``PR_SET_PDEATHSIG``).
 """
@@ -160,14 +161,18 @@ def test_workers_metrics_count_every_worker(workers: Server, toy_sb: Path) -> No
     assert _metric(workers, "hpcsplit_server_workers") == 2
 
 
-def test_workers_perf_analyzer(workers: Server, tmp_path: Path) -> None:
+def _perf_analyzer() -> Path:
     from tests.mpi.test_server import ROOT
 
     p = subprocess.run([str(ROOT / "scripts" / "setup-perf.sh")], capture_output=True, text=True, timeout=600,
                        check=False)
     if p.returncode != 0:
         pytest.skip(f"perf_analyzer could not be installed here: {p.stderr[-300:]}")
-    pa = ROOT / p.stdout.strip().splitlines()[-1]
+    return ROOT / p.stdout.strip().splitlines()[-1]
+
+
+def test_workers_perf_analyzer(workers: Server, tmp_path: Path) -> None:
+    pa = _perf_analyzer()
     for proto, port, key in (("http", workers.ep["http_port"], "Authorization"),
                              ("grpc", workers.ep["grpc_port"], "authorization")):
         r = subprocess.run([str(pa), "-m", workers.model, "-u", f"127.0.0.1:{port}", "-i", proto, "-H",
@@ -288,6 +293,16 @@ def test_tls_through_workers_and_a_worker_that_dies(tmp_path: Path, toy_sb: Path
     srv = start_server(tmp_path, toy_sb, {"server_workers": 2, "tls_cert": str(cert), "tls_key": str(key)})
     try:
         _check_tls(srv, toy_sb, ca)
+        pa = _perf_analyzer()
+        for proto, url, ssl_args, key in (
+                ("http", f"https://{srv.url}", ["--ssl-https-ca-certificates-file", str(ca)], "Authorization"),
+                ("grpc", srv.ep["grpc_target"], ["--ssl-grpc-use-ssl", "true", "--ssl-grpc-root-certifications-file",
+                                                 str(ca)], "authorization")):
+            r = subprocess.run([str(pa), "-m", srv.model, "-u", url, "-i", proto, *ssl_args, "-H",
+                                f"{key}:Bearer {srv.token}", "--concurrency-range", "2", "--measurement-interval",
+                                "1000", "--stability-percentage", "1000", "--max-trials", "10"],
+                               capture_output=True, text=True, timeout=150, check=False)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         first, second = srv.ep["worker_pids"]
         os.kill(first, signal.SIGKILL)
         deadline = time.monotonic() + 10

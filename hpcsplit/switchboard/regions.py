@@ -45,9 +45,12 @@ nodes with no data (guards, asserts, ``get_attr``) must be left out by the calle
    regions lie before them (stem, head, ...); a branch absorbed into the exit side counts as after
    its region. This keeps the component graph acyclic.
 7. ``stages`` / ``max_stage_ms`` cut components further (``stages``: counts in proportion to
-   ``work``), at topological positions near equal-``ms`` targets where the fewest activation bytes
-   cross; positions whose distance to the target differs by less than ``tie_margin`` of a stage are
-   tied and decided by ``work`` (so timing noise cannot move a cut between them).
+   ``work``), at the input towers inside them first ([Note: input towers] in
+   :mod:`hpcsplit.switchboard.cuts`: an encoder beside its decoder), then at topological positions near
+   equal-``ms`` targets where the fewest activation bytes cross; positions whose distance to the target
+   differs by less than ``tie_margin`` of a stage are tied and decided by module depth (between blocks
+   before inside one), then ``work`` (so timing noise cannot move a cut between them). With a
+   ``runtime`` a component is cut only when its slowest stage beats it whole ([Note: stages pay]).
 Steps 1-6 see only ``work``, ``bytes`` and the graph: the same graph gives the same components on
 any machine and load. All steps are linear in the graph size, except nested-region searches
 (linear per nesting level).

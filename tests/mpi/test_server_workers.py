@@ -33,13 +33,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.integration.test_bench_server_hop import _children
 from tests.mpi.test_serve import _last, _whole_per_request
-from tests.mpi.test_server import (
+from tests.mpi.test_server import (  # noqa: F401 - perf_analyzer: the fixture
     Server,
     _check_equal,
     _infer,
     _inputs_for,
     _metric,
+    perf_analyzer,
     start_server,
 )
 
@@ -48,16 +50,6 @@ pytestmark = pytest.mark.mpi
 th = pytest.importorskip("tritonclient.http")
 tg = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:  # the thread ended meanwhile
-            pass
-    return kids
 
 
 def _alive(pid: int) -> bool:
@@ -161,18 +153,8 @@ def test_workers_metrics_count_every_worker(workers: Server, toy_sb: Path) -> No
     assert _metric(workers, "hpcsplit_server_workers") == 2
 
 
-def _perf_analyzer() -> Path:
-    from tests.mpi.test_server import ROOT
-
-    p = subprocess.run([str(ROOT / "scripts" / "setup-perf.sh")], capture_output=True, text=True, timeout=600,
-                       check=False)
-    if p.returncode != 0:
-        pytest.skip(f"perf_analyzer could not be installed here: {p.stderr[-300:]}")
-    return ROOT / p.stdout.strip().splitlines()[-1]
-
-
-def test_workers_perf_analyzer(workers: Server, tmp_path: Path) -> None:
-    pa = _perf_analyzer()
+def test_workers_perf_analyzer(workers: Server, perf_analyzer: Path) -> None:  # noqa: F811 - test_server's fixture
+    pa = perf_analyzer
     for proto, port, key in (("http", workers.ep["http_port"], "Authorization"),
                              ("grpc", workers.ep["grpc_port"], "authorization")):
         r = subprocess.run([str(pa), "-m", workers.model, "-u", f"127.0.0.1:{port}", "-i", proto, "-H",
@@ -286,14 +268,15 @@ def test_tls_on_the_frontends_own_servers(tmp_path: Path, toy_sb: Path) -> None:
         assert srv.stop() == 0, srv.log.read_text()[-3000:]
 
 
-def test_tls_through_workers_and_a_worker_that_dies(tmp_path: Path, toy_sb: Path) -> None:
+def test_tls_through_workers_and_a_worker_that_dies(tmp_path: Path, toy_sb: Path,
+                                                    perf_analyzer: Path) -> None:  # noqa: F811 - the fixture
     """TLS through two workers; one killed (SIGKILL) is named and the other serves on; then the frontend
     rank killed (SIGKILL) takes the last worker with it."""
     ca, cert, key = make_ca(tmp_path)
     srv = start_server(tmp_path, toy_sb, {"server_workers": 2, "tls_cert": str(cert), "tls_key": str(key)})
     try:
         _check_tls(srv, toy_sb, ca)
-        pa = _perf_analyzer()
+        pa = perf_analyzer
         for proto, url, ssl_args, key in (
                 ("http", f"https://{srv.url}", ["--ssl-https-ca-certificates-file", str(ca)], "Authorization"),
                 ("grpc", srv.ep["grpc_target"], ["--ssl-grpc-use-ssl", "true", "--ssl-grpc-root-certifications-file",

@@ -211,7 +211,8 @@ def test_workers_drain_on_sigterm_with_nothing_lost(workers: Server, toy_sb: Pat
     line = next(x for x in text.splitlines() if "server: stopped after" in x)
     answered, failed = (int(w) for w in re.findall(r"(\d+) answered, (\d+) failed", line)[0])
     assert failed == 0 and answered == ok0 + len(ok), (line, ok0, len(ok), refused)
-    assert len(ok) >= 8 and len(refused) == 8, (len(ok), refused)
+    # 4 samples were in flight at the signal (2 requests at least): answered, as every request accepted
+    assert len(ok) >= 2 and len(refused) == 8, (len(ok), refused)
     assert _wait_gone(pids, 5) == []
 
 

@@ -153,7 +153,6 @@ class Workers:
         self.links: list[_WorkerLink] = []
         self.dead: set[int] = set()
         self._held: list[socket.socket] = []
-        self._stopping = False
 
     @property
     def pids(self) -> list[int]:
@@ -256,7 +255,6 @@ class Workers:
     async def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
         """After the drain: STOP to every worker (after the answers still to go), then wait for them,
         killing any left at the deadline; the ports are released."""
-        self._stopping = True
         for link in self.links:
             link.flush()
             link.send(ch.frame(ch.STOP))

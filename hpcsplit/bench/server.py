@@ -1,6 +1,7 @@
 """Server benchmark: hpcsplit's Open Inference Protocol endpoint vs a bare echo server of the same libraries.
 
-    python -m hpcsplit.bench server [--concurrency 1,8,64] [--interval-ms 2000] [--samples 2000]
+    python -m hpcsplit.bench server [--concurrency 1,8,64] [--protocols ...] [--rounds 1] [--workers 0]
+        [--base CHECKOUT] [--server-cpus LIST --client-cpus LIST] [--interval-ms 2000] [--samples 2000]
 
 One run, figures side by side: requests/s, p50 and p99 (perf_analyzer's, client side) at each concurrency
 over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC streaming (ModelStreamInfer), for
@@ -19,6 +20,16 @@ over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC stre
 
 ``server_bench.csv`` and ``server_bench.png`` (requests/s and p50 of every server, a panel per protocol) go to
 ``--out`` (default ``outputs/bench-server``).
+
+Issue 31 (docs/serving.md, Benchmark): ``--workers 0,1,2`` runs one hpcsplit server per
+``runtime.server_workers`` value; ``--base CHECKOUT`` serves the same model with an earlier checkout's code
+beside this one (``git worktree add --detach /tmp/base 45d97c6``); around every perf_analyzer run the bench
+reads each server's CPU time from ``/proc`` (the echo's process, hpcsplit's frontend rank and its workers)
+and the requests it answered, and prints CPU per request; ``--rounds R`` measures every level R times, the
+servers in turn, and shows medians; ``--server-cpus`` / ``--client-cpus`` pin the servers and perf_analyzer
+(``taskset -c``).  Targets: the frontend's CPU per request at most 1.5x the echo's (HTTP binary, gRPC);
+unary gRPC at 8 clients at least 2x the base's rate; with workers on spare cores, at least 0.7 of the
+better hop's rate.
 
 Target (issue 18): hpcsplit >= 70% of echo's rate on each protocol, and under 1 ms added to p50 at
 concurrency 1.  The table also gives hpcsplit's rate against the better hop's, and the verdict names the

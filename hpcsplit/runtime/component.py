@@ -123,7 +123,7 @@ def serve_component(
     next_expire = t_start + 1.0
     next_stats, sent_batches = t_start + (stats_every_s or 0.0), -1
     # CUDA kernels run asynchronously: the compute span ends when the stream is done, not when the
-    # launches return (the send would synchronise anyway, see transport._send_buffer)
+    # launches return (the send would synchronise anyway, see buffers.send_buffer)
     cuda_sync = torch.cuda.current_stream(device).synchronize if getattr(device, "type", "") == "cuda" else None
     with torch.inference_mode():
         while True:

@@ -281,7 +281,7 @@ def _batch_pass(ctx: RankContext, fe: Frontend, src: InputSource, writer: Stream
 
     def done(i: int, outs: list[torch.Tensor]) -> None:
         p = fe.partial
-        # host_row's numpy views keep their receive buffer from reuse (transport._BufferPool) until written
+        # host_row's numpy views keep their receive buffer from reuse (buffers.BufferPool) until written
         writer.row(int(rows[lo + i]), [host_row(r, bdo[j][0]) for j, r in enumerate(outs)],
                    float(p.done_s[i] - p.admit_s[i]) * 1e3)
         prog.tick(writer.written, int(nfail[0]))

@@ -130,9 +130,9 @@ def cuda_aware_mpi() -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------- send buffers
 def host_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when MPI can read its bytes where they are (a contiguous host tensor, conj/neg bits
-    resolved), else a contiguous host copy's equivalent on the host: the tensor whose ``data_ptr`` and
-    ``nbytes`` to send.  Device tensors are returned as they are (see :func:`send_buffer`)."""
+    """The tensor whose memory holds ``t``'s values as plain contiguous bytes: ``t`` itself when it is
+    contiguous with no conj/neg bit (a complex view whose bytes are not yet conjugated), else a copy on
+    ``t``'s device.  Its ``data_ptr`` and ``nbytes`` are what MPI sends."""
     if not t.is_contiguous():
         t = t.contiguous()
     if CODE.get(t.dtype) in COMPLEX_CODES and (t.is_conj() or t.is_neg()):

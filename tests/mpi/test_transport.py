@@ -125,7 +125,8 @@ def test_every_size_class_and_dtype_arrives_intact(tmp_path: Path) -> None:
 
 MANY = COMMON + r'''
 # ranks 1-3 each start 60 sends to rank 0 without waiting, sizes drawn from every class (large ones make the
-# small ones behind them arrive first at the MPI level); rank 0 polls its Inbox while they are in flight
+# small ones behind them arrive first at the MPI level), some with long headers; rank 0 polls its Inbox while
+# they are in flight
 N = 60
 rng = np.random.default_rng(11)
 plan = {s: rng.choice([0, 16, 4096, 40000, 70000, 600000, 3 << 20], size=N) for s in (1, 2, 3)}
@@ -134,14 +135,27 @@ if rank:
     hs = []
     for k, nbytes in enumerate(plan[rank]):
         n = int(nbytes) // 4
-        hs.append(tp.isend_message(comm, 0, tp.KIND_DATA, (rank * 1000 + k,), (), [(0, value(rank * 1000 + k,
-                                                                                               torch.float32, (n,)))]))
+        rid = rank * 1000 + k
+        # every 5th message has 5000 request ids: a 40 KB header, which may still be arriving when the
+        # messages behind it from this sender are taken (their payload receives must wait for its own)
+        ids = [rid] + ([rid * 10000 + j for j in range(4999)] if k % 5 == 3 else [])
+        hs.append(tp.isend_message(comm, 0, tp.KIND_DATA, ids, (), [(0, value(rid, torch.float32, (n,)))]))
         if k % 7 == 0:
             time.sleep(0.002)  # the receiver starts taking while the rest is still being sent
     while not all(h.test() for h in hs):
         time.sleep(1e-4)
 else:
     inbox = mb.Inbox(comm)
+    taken = mb.take_message
+    arriving = [0, 0]  # first messages taken still arriving, and whole ones held behind them
+
+    def counting(*args):
+        got = taken(*args)
+        if isinstance(got, tp.RecvHandle) and got.header is None:
+            arriving[0 if got.requests else 1] += 1
+        return got
+
+    mb.take_message = counting  # the Inbox's own calls, counted
     order = {1: [], 2: [], 3: []}
     bad = []
     deadline = time.monotonic() + 60
@@ -150,10 +164,12 @@ else:
             rid = m.header.request_ids[0]
             order[m.source].append(rid)
             n = int(plan[m.source][rid % 1000]) // 4
-            if not same(m.tensors[0], value(rid, torch.float32, (n,))):
+            ids = [rid] + ([rid * 10000 + j for j in range(4999)] if rid % 1000 % 5 == 3 else [])
+            if not same(m.tensors[0], value(rid, torch.float32, (n,))) or list(m.header.request_ids) != ids:
                 bad.append(rid)
     out = {"order": {s: v == [s * 1000 + k for k in range(N)] for s, v in order.items()},
-           "counts": {s: len(v) for s, v in order.items()}, "bad": bad, "pending": len(inbox.pending)}
+           "counts": {s: len(v) for s, v in order.items()}, "bad": bad, "pending": len(inbox.pending),
+           "arriving": arriving}
 ''' + TAIL
 
 

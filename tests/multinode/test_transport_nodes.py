@@ -73,7 +73,7 @@ def _srun_script(tmp_path: Path, script: str, ntasks: int, timeout_s: float = 30
 def test_every_size_class_and_many_in_flight_arrive_intact_across_nodes(tmp_path: Path) -> None:
     """The one-node transport tests' messages (tests/mpi/test_transport.py) between ranks on two nodes: every
     size class and dtype, inline and separate; and three senders, one beside the receiver and two on the
-    other node, with many messages in flight, each sender's in its order."""
+    other node, with many messages in flight, each sender's in its order, long headers among them."""
     from tests.mpi.test_transport import MANY, SIZES
 
     r0, r1 = _srun_script(tmp_path, SIZES, 2)
@@ -82,3 +82,5 @@ def test_every_size_class_and_many_in_flight_arrive_intact_across_nodes(tmp_path
     r0 = _srun_script(tmp_path, MANY, 4)[0]
     assert r0["bad"] == [] and r0["pending"] == 0, r0
     assert r0["counts"] == {"1": 60, "2": 60, "3": 60} and r0["order"] == {"1": True, "2": True, "3": True}
+    # over the network the long headers were still arriving when taken, and messages behind them waited
+    assert r0["arriving"][0] > 0 and r0["arriving"][1] > 0, r0["arriving"]

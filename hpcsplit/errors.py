@@ -12,11 +12,13 @@ __all__ = [
     "CaptureError",
     "ConfigError",
     "HpcsplitError",
+    "JobTimedOut",
     "LaunchError",
     "PartitionError",
     "PlanError",
     "ProfileError",
     "ProfileFormatError",
+    "RankLeftJob",
     "RequestTimeoutError",
     "RuntimeStageError",
     "SwitchboardError",
@@ -77,8 +79,17 @@ class RequestTimeoutError(RuntimeStageError):
     """A request exceeded ``runtime.request_timeout_s``."""
 
 
+class RankLeftJob(RuntimeStageError):
+    """This rank leaves a job that goes on without it (server mode: the frontend declared it lost, or the
+    frontend fell silent): the rank exits without aborting the others (``hpcsplit.launch.rank``)."""
+
+
 class LaunchError(HpcsplitError):
     """A job could not be launched, or failed on the cluster."""
+
+
+class JobTimedOut(LaunchError):
+    """A job ran past the launcher's time limit and was stopped (a server is not started again then)."""
 
 
 class WorldSizeError(LaunchError):

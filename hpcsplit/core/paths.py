@@ -19,12 +19,16 @@ from typing import Any, ClassVar
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
 
-__all__ = ["MPI_INIT_DIR_VAR", "RunPaths", "result_name"]
+__all__ = ["MPI_INIT_DIR_VAR", "RANKS_SURVIVE_VAR", "RunPaths", "result_name"]
 
 # Where each rank records that it started and finished MPI_Init (hpcsplit.core.mpi.init_with_deadline);
 # launcher=slurm sets it to <slurm folder>/init.<job id> and reads it when a job fails
 # (hpcsplit.launch.slurm.startup_failed).
 MPI_INIT_DIR_VAR = "HPCSPLIT_MPI_INIT_DIR"
+# set to 1 by the launcher of a server job whose ranks may end without ending the job (hydra run with
+# -disable-auto-cleanup and each rank under hpcsplit.launch.keeper; srun --kill-on-bad-exit=0): see
+# [Note: serving through faults] in hpcsplit.runtime.server.failover
+RANKS_SURVIVE_VAR = "HPCSPLIT_RANKS_SURVIVE"
 
 _FIELDS = ("run_dir", "switchboard_dirname", "profile_filename", "plan_filename")
 

@@ -135,6 +135,8 @@ class LocalLauncherSettings:
     mpiexec_args: tuple[str, ...]
     timeout_min: float | None
     grace_s: float
+    restarts: int
+    restart_backoff_s: float
 
     @classmethod
     def read(cls, c: Checker) -> LocalLauncherSettings:
@@ -149,6 +151,8 @@ class LocalLauncherSettings:
             mpiexec_args=tuple(args),
             timeout_min=c.number("timeout_min", lo=0, lo_open=True, none=True),
             grace_s=c.number("grace_s", lo=0, hi=3600),
+            restarts=c.integer("restarts", lo=0),
+            restart_backoff_s=c.number("restart_backoff_s", lo=0, hi=3600),
         )
 
 
@@ -163,6 +167,8 @@ class SlurmLauncherSettings:
     poll_max_s: float
     progress_s: float
     max_requeue: int
+    restarts: int
+    restart_backoff_s: float
 
     @classmethod
     def read(cls, c: Checker) -> SlurmLauncherSettings:
@@ -174,6 +180,8 @@ class SlurmLauncherSettings:
             poll_max_s=c.number("poll_max_s", lo=0, lo_open=True),
             progress_s=c.number("progress_s", lo=0, lo_open=True),
             max_requeue=c.integer("max_requeue", lo=0),
+            restarts=c.integer("restarts", lo=0),
+            restart_backoff_s=c.number("restart_backoff_s", lo=0, hi=3600),
         )
 
 

@@ -21,7 +21,13 @@ from hpcsplit.errors import PlanError, RuntimeStageError
 from hpcsplit.runtime.component import run_component_rank
 from hpcsplit.runtime.context import RankContext, barrier, say
 from hpcsplit.runtime.doorbell import start_doorbell
-from hpcsplit.runtime.faults import describe_rank, install_stop_signals
+from hpcsplit.runtime.faults import (
+    describe_rank,
+    install_stop_signals,
+    leave_degraded_job,
+    lost_ranks,
+    set_job_processes,
+)
 from hpcsplit.runtime.frontend_rank import run_frontend
 from hpcsplit.runtime.routing import (
     Dataflow,
@@ -35,7 +41,9 @@ from hpcsplit.runtime.threads import ThreadChoice
 from hpcsplit.runtime.transport import cuda_aware_mpi
 from hpcsplit.switchboard.reader import Switchboard
 
-__all__ = ["bind_device", "run_rank"]
+__all__ = ["STAGE_ENTRY", "bind_device", "run_rank"]
+
+STAGE_ENTRY = "hpcsplit.runtime.stage:mpi_main"  # the entry point of the ranks (its result file's name)
 
 
 def bind_device(plan: Plan, entry: RankEntry, rank: int) -> torch.device:
@@ -110,7 +118,9 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     # (and, at the end, its close and MPI_Finalize) do not spin while a slower rank loads or plots
     barrier(comm, timeout_s=rt.load_timeout_s, what="loading the switchboard",
             name=lambda r: describe_rank(plan, r))
-    hosts = tuple(str(h) for h in comm.allgather(socket.gethostname()))
+    procs = [(str(h), int(p)) for h, p in comm.allgather((socket.gethostname(), os.getpid()))]
+    set_job_processes(procs)  # [Note: lost ranks]
+    hosts = tuple(h for h, _ in procs)
     ctx = RankContext(comm=comm, rank=rank, runtime=rt, bench=bench, plan=plan, entry=entry, switchboard=sb,
                       paths=paths, device=device, threads=threads, hosts=hosts)
     db = None
@@ -124,6 +134,8 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     else:
         run_component_rank(ctx, variants)
     ctx.barrier("the end of the job", rt.wait_bound_s)
-    if db is not None:  # collective, so only on success: a failing rank aborts the whole job instead
+    if lost_ranks():  # a server that lost replicas: [Note: lost ranks] in hpcsplit.runtime.faults
+        leave_degraded_job(comm, paths.rank_result(STAGE_ENTRY) if rank == 0 else None, out)
+    if db is not None and not lost_ranks():  # collective: only on success, with every rank there
         db.close()
     return out

@@ -398,6 +398,29 @@ class Router:
             route.append(best)
         return tuple(route)
 
+    def drop(self, rank: int) -> int:
+        """Route nothing more to ``rank`` (its replica was lost); returns how many replicas of its component are
+        left (0: none, and :meth:`assign` then keeps routing to it: the job cannot go on, the caller ends it).
+
+        Examples
+        --------
+        >>> from types import SimpleNamespace as NS
+        >>> r = Router(NS(components=(NS(replicas=(1, 2), sizes=()),)))
+        >>> r.drop(1), r.assign(), r.assign(), r.drop(2)
+        (1, (2,), (2,), 0)
+        """
+        for k, reps in enumerate(self._replicas):
+            if rank in reps:
+                left = tuple(r for r in reps if r != rank)
+                if left:
+                    self._replicas[k] = left
+                return len(left)
+        return 0
+
+    def live(self, k: int) -> tuple[int, ...]:
+        """The replicas component ``k`` (dataflow order) is routed to."""
+        return self._replicas[k]
+
     def release(self, route: Sequence[int], failed: bool = False) -> None:
         """Un-count a request; ``failed`` (it timed out) makes its replicas lose ties until one succeeds."""
         for r in route:

@@ -127,10 +127,13 @@ class RuntimeSettings:
     server_drain_s: float
     server_status_s: float
     server_model: Literal["split", "whole"]
+    server_token_file: str | None  # server mode: require the token in this file (None: a new one per job)
+    server_port_fallback: bool  # server mode: when the given ports are taken, listen on free ones
+    silence_s: float  # server mode: a replica heard nothing from this long is lost ([Note: serving through faults])
 
     _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
                            "doorbell_network", "chunk_rows", "max_failures", "spin_us",
-                           "server_host"})
+                           "server_host", "server_token_file"})
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RuntimeSettings:
@@ -209,6 +212,9 @@ class RuntimeSettings:
             server_drain_s=c.number("server_drain_s", lo=0),
             server_status_s=c.number("server_status_s", lo=0, lo_open=True),
             server_model=c.choice("server_model", ("split", "whole")),
+            server_token_file=c.string("server_token_file", none=True),
+            server_port_fallback=c.boolean("server_port_fallback"),
+            silence_s=c.number("silence_s", lo=0.5),
         )
         c.done()
         return out
@@ -225,6 +231,18 @@ class RuntimeSettings:
         7.0
         """
         return self.request_timeout_s + self.stop_grace_s
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a rank of a server says it is alive when it has nothing else to send: a fifth of
+        ``silence_s`` (``[Note: serving through faults]`` in :mod:`hpcsplit.runtime.server.failover`).
+
+        Examples
+        --------
+        >>> RuntimeSettings.from_config({"runtime": {"silence_s": 5}}).heartbeat_s
+        1.0
+        """
+        return self.silence_s / 5
 
 
 # --------------------------------------------------------------------------------------------- bench

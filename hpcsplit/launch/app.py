@@ -161,7 +161,7 @@ def _serve(run: Callable[[dict[str, Any]], Any], cfg: dict[str, Any], run_dir: P
     launcher = launcher_settings(cfg)
     slurm = isinstance(launcher, SlurmLauncherSettings)
     return serve_with_restarts(run, cfg, RunPaths.from_config(cfg, run_dir), echo, rt.server_status_s,
-                               launcher.restarts, launcher.restart_backoff_s,
+                               launcher.restarts, launcher.restart_backoff_s, rt.tls_cert,
                                (lambda c: restart_on_cluster(c, run_dir, echo)) if slurm else None)
 
 

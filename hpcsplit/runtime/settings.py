@@ -127,13 +127,16 @@ class RuntimeSettings:
     server_drain_s: float
     server_status_s: float
     server_model: Literal["split", "whole"]
+    server_workers: int | None  # protocol worker processes (None: one per spare core of the frontend's node)
+    tls_cert: str | None  # server mode: PEM certificate chain (with tls_key: HTTPS and gRPC over TLS)
+    tls_key: str | None
     server_token_file: str | None  # server mode: require the token in this file (None: a new one per job)
     server_port_fallback: bool  # server mode: when the given ports are taken, listen on free ones
     silence_s: float  # server mode: a replica heard nothing from this long is lost ([Note: serving through faults])
 
     _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
                            "doorbell_network", "chunk_rows", "max_failures", "spin_us",
-                           "server_host", "server_token_file"})
+                           "server_host", "server_workers", "tls_cert", "tls_key", "server_token_file"})
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RuntimeSettings:
@@ -212,10 +215,16 @@ class RuntimeSettings:
             server_drain_s=c.number("server_drain_s", lo=0),
             server_status_s=c.number("server_status_s", lo=0, lo_open=True),
             server_model=c.choice("server_model", ("split", "whole")),
+            server_workers=c.integer("server_workers", lo=0, hi=256, none=True),
+            tls_cert=c.string("tls_cert", none=True),
+            tls_key=c.string("tls_key", none=True),
             server_token_file=c.string("server_token_file", none=True),
             server_port_fallback=c.boolean("server_port_fallback"),
             silence_s=c.number("silence_s", lo=0.5),
         )
+        if (out.tls_cert is None) != (out.tls_key is None):
+            c.problem(f"runtime.tls_cert = {out.tls_cert!r} and runtime.tls_key = {out.tls_key!r}: give both (the "
+                      "server's PEM certificate chain and its private key) or neither (no TLS)")
         c.done()
         return out
 

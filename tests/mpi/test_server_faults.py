@@ -151,14 +151,14 @@ def servers() -> Iterator[list[LoginServer]]:
                 pass
 
 
-def _start(tmp: Path, sb: Path, replicas: dict[str, int], servers: list[LoginServer]) -> LoginServer:
+def _start(tmp: Path, sb: Path, replicas: dict[str, int], servers: list[LoginServer], *extra: str) -> LoginServer:
     _plan(sb, tmp / "plan.json", replicas)
     run = tmp / "run"
     out = tmp / "login.txt"
     cmd = [sys.executable, "-m", "hpcsplit", "stage=serve", f"plan={tmp / 'plan.json'}", f"switchboard={sb}",
            "runtime.mode=server", "runtime.server_host=127.0.0.1", f"runtime.silence_s={SILENCE_S}",
            "runtime.request_timeout_s=20", "runtime.server_drain_s=5", "launcher.grace_s=30",
-           "launcher.timeout_min=15", f"hydra.run.dir={run}"]
+           "launcher.timeout_min=15", f"hydra.run.dir={run}", *extra]
     with open(out, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -254,7 +254,8 @@ def test_kill9_of_one_of_two_replicas_keeps_serving(tmp_path: Path, toy_sb: Path
 def test_sigstop_of_a_replica_is_routed_around_after_the_silence_deadline(
         tmp_path: Path, toy_sb: Path, servers: list[LoginServer]) -> None:
     first = _plan(toy_sb, tmp_path / "plan.json", {})[1]
-    srv = _start(tmp_path, toy_sb, {first: 2}, servers)  # frontend, two of the first component, the last
+    # frontend, two of the first component, the last; the protocol in a worker process: it says degraded too
+    srv = _start(tmp_path, toy_sb, {first: 2}, servers, "runtime.server_workers=1")
     victim = 1
     res = _load(srv, toy_sb, lambda: os.kill(srv.ranks()[victim], signal.SIGSTOP))
     slowest = max(v[1] for v in res.values())

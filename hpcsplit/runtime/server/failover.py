@@ -178,11 +178,11 @@ class Failover:
                 self.restart = (f"component {comp!r} lost its last replica ({self.ctx.name(r)}: {why}); the job "
                                 "cannot go on")
         gone = set(newly)
-        fe.inbox.forget(gone)
-        fe.outbox.forget(gone)
         everyone = torch.tensor(sorted(self.lost), dtype=torch.int64)
         told = self.live() + [r for r in newly if faults.job_process(r)[0] != here]  # a lost one elsewhere may hear
         self._send_all(told, faults.CONTROL_LOST, everyone)
+        fe.inbox.forget(gone)
+        fe.outbox.forget(gone)  # (the word to a lost rank too: nothing waits for it to be taken)
         self.hub.degraded = list(self.lost.values())
         if self.restart is not None:
             self.hub.failed = f"{self.restart}; the login side starts it again (launcher.restarts)"
@@ -221,6 +221,7 @@ class Failover:
             job.rows.append(new)
             self._resends.add(new)
             again.append(new)
+        again = [r for r in again if r in sl.row_job]  # (not those of a request failed after them)
         self._resends.difference_update(r for r in list(self._resends) if r not in sl.row_job)
         sl.pending[:0] = again  # admitted first in the next pass, on live routes
         self.resent += len(again)

@@ -58,6 +58,16 @@ def _run(
     )
 
 
+def _start_toys(run_dir: Path, cfg: dict) -> subprocess.Popen[str]:
+    """The toy profile on 2 ranks in the background, its output on one pipe."""
+    (run_dir / "cfg.json").write_text(json.dumps(cfg))
+    return subprocess.Popen(
+        _cmd(2, "tests.unit.profile_toys:mpi_main", run_dir / "cfg.json", run_dir),
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def toy_switchboard(switchboards: Callable[..., Path]) -> Path:
     return switchboards("toy_mlp", dims=(16, 32, 4))
@@ -96,12 +106,7 @@ def test_two_ranks_sigterm_then_resume(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     cfg = {**CFG, "toy": {"sleep_s": 0.05}, "profile": {**CFG["profile"], "batch_sizes": [1, 2, 4, 8]}}
-    (run_dir / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.Popen(
-        _cmd(2, "tests.unit.profile_toys:mpi_main", run_dir / "cfg.json", run_dir),
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = _start_toys(run_dir, cfg)
     lines, deadline = [], time.monotonic() + 120
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -153,12 +158,7 @@ def test_a_stopped_rank_is_named_after_profile_rank_silence_s(tmp_path: Path) ->
     run_dir.mkdir()
     cfg = {**CFG, "toy": {"sleep_s": 0.05},
            "profile": {**CFG["profile"], "batch_sizes": [1, 2, 4, 8], "rank_silence_s": 3.0}}
-    (run_dir / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.Popen(
-        _cmd(2, "tests.unit.profile_toys:mpi_main", run_dir / "cfg.json", run_dir),
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = _start_toys(run_dir, cfg)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 120

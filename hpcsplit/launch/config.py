@@ -5,7 +5,7 @@
 ``stage=all`` skips the stages whose inputs are unchanged (``[Note: pipeline manifest]``).
 ``python -m hpcsplit stage=analyze profile=PATH`` is rewritten before Hydra parses it:
 ``profile`` is a config group, so a value that is not one of its options but looks like a path
-becomes ``profile.path=/abs/PATH``.  ``plan`` and ``switchboard`` are top-level keys; their paths
+becomes ``profile.path=/abs/PATH``.  ``plan``, ``switchboard`` and ``calibration`` are top-level keys; their paths
 are made absolute (``plan=/abs/PATH``) so that SLURM jobs started from another folder find them.
 Option names (``profile=default``), ``null``, sweeps (``a,b``) and dotted keys are left alone.
 
@@ -61,7 +61,7 @@ __all__ = [
 SRUN_MPI = ("pmi2", "pmix", "pmix_v2", "pmix_v3", "pmix_v4", "pmix_v5", "pmi", "cray_shasta", "none")
 
 # Keys of the argv shortcut: key -> True when it is a config group (value goes to KEY.path).
-_SHORTCUTS = {"profile": True, "plan": False, "switchboard": False}
+_SHORTCUTS = {"profile": True, "plan": False, "switchboard": False, "calibration": False}
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_./:+@~%-]+$")
 
 

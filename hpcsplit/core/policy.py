@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 
-__all__ = ["ReplicaRouter"]
+__all__ = ["BUCKET_MIN", "ReplicaRouter"]
+
+BUCKET_MIN = 9  # components with at least this many replicas keep them ordered (no scan per request)
 
 
 class ReplicaRouter:
@@ -19,6 +22,10 @@ class ReplicaRouter:
     ``sizes``), then to the one used least recently.  :meth:`release` un-counts a finished (or failed) request.
     Pure bookkeeping: the runtime's frontend and the simulator route with it.
 
+    A component with few replicas is scanned per request (``min`` over them); one with at least
+    :data:`BUCKET_MIN` (a simulated 256-GPU plan) keeps its replicas ordered instead (:class:`_Ordered`), which
+    picks the same replica: ``tests/unit/test_simulator.py`` checks the two on random traces.
+
     Examples
     --------
     >>> r = ReplicaRouter([(1, 2), (3,)], {1: 0.0, 2: 0.0, 3: 0.0})
@@ -28,22 +35,28 @@ class ReplicaRouter:
     (2, 3)
     """
 
-    __slots__ = ("_last", "_neg_size", "_replicas", "_suspect", "_tick", "outstanding")
+    __slots__ = ("_big", "_last", "_neg_size", "_ordered", "_replicas", "_suspect", "_tick", "outstanding")
 
-    def __init__(self, replicas: Sequence[Sequence[int]], sizes: Mapping[int, float]) -> None:
+    def __init__(self, replicas: Sequence[Sequence[int]], sizes: Mapping[int, float],
+                 bucket_min: int = BUCKET_MIN) -> None:
         self._replicas = [tuple(r) for r in replicas]
         self.outstanding = {r: 0 for reps in self._replicas for r in reps}
         self._last = dict.fromkeys(self.outstanding, -1)
         self._neg_size = {r: -float(sizes.get(r, 0.0)) for r in self.outstanding}
         self._suspect: set[int] = set()
         self._tick = 0
+        self._ordered = [_Ordered(reps, self) if len(reps) >= bucket_min else None for reps in self._replicas]
+        self._big = {r: o for o in self._ordered if o is not None for r in o.pos}
 
     def assign(self) -> tuple[int, ...]:
         out, last, neg, sus = self.outstanding, self._last, self._neg_size, self._suspect
         route = []
-        for reps in self._replicas:
+        for reps, ordered in zip(self._replicas, self._ordered, strict=True):
             if len(reps) == 1:
                 best = reps[0]
+            elif ordered is not None:
+                b = ordered.buckets
+                best = b[min(b)][0][2]
             elif not sus:
                 best = min(reps, key=lambda r: (out[r], neg[r], last[r]))
             else:
@@ -51,6 +64,8 @@ class ReplicaRouter:
             out[best] += 1
             self._tick += 1
             last[best] = self._tick
+            if ordered is not None:
+                ordered.moved(best, self)
             route.append(best)
         return tuple(route)
 
@@ -62,3 +77,43 @@ class ReplicaRouter:
             self._suspect.update(route)
         elif self._suspect:
             self._suspect.difference_update(route)
+        if self._big:
+            for r in route:
+                o = self._big.get(r)
+                if o is not None:
+                    o.moved(r, self)
+
+
+class _Ordered:
+    """One component's replicas in the order ``ReplicaRouter`` picks them: buckets keyed by (outstanding, suspect,
+    -size), each a sorted list of (last used, position, rank); the first of the smallest bucket is the pick."""
+
+    __slots__ = ("buckets", "entry", "key", "pos")
+
+    def __init__(self, reps: Sequence[int], router: ReplicaRouter) -> None:
+        self.pos = {r: i for i, r in enumerate(reps)}
+        self.buckets: dict[tuple[int, bool, float], list[tuple[int, int, int]]] = {}
+        self.key: dict[int, tuple[int, bool, float]] = {}
+        self.entry: dict[int, tuple[int, int, int]] = {}
+        for r in reps:
+            self._put(r, router)
+
+    def _put(self, r: int, rt: ReplicaRouter) -> None:
+        k = (rt.outstanding[r], r in rt._suspect, rt._neg_size[r])
+        e = (rt._last[r], self.pos[r], r)
+        lst = self.buckets.get(k)
+        if lst is None:
+            self.buckets[k] = [e]
+        else:
+            bisect.insort(lst, e)
+        self.key[r], self.entry[r] = k, e
+
+    def moved(self, r: int, rt: ReplicaRouter) -> None:
+        """``r``'s outstanding count, suspicion or last use changed: put it where it now belongs."""
+        buckets = self.buckets
+        k = self.key[r]
+        lst = buckets[k]
+        del lst[bisect.bisect_left(lst, self.entry[r])]
+        if not lst:
+            del buckets[k]
+        self._put(r, rt)

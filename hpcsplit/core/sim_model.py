@@ -131,7 +131,8 @@ def _sum_curves(curves: Sequence[Curve]) -> Curve:
 
 def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, calibration: Calibration,
                  policy: ServePolicy, *, variant: str = "split", groups: Sequence[Sequence[str]] = (),
-                 cores_per_node: float | None = None, switchboard_sha256: str | None = None) -> SimSystem:
+                 cores_per_node: float | None = None, switchboard_sha256: str | None = None,
+                 scale: Mapping[str, float] | None = None) -> SimSystem:
     """The :class:`SimSystem` of ``plan`` served as ``variant`` (``[Note: simulated variants]``).
 
     Parameters
@@ -145,6 +146,9 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
         CPU plans: the cores the node's ranks share (the cluster's ``cores_per_node``); ignored on GPU plans.
     switchboard_sha256 : str, optional
         Whose programs the calibration may hold (their cold extras).
+    scale : mapping, optional
+        Component -> factor on its profiled latencies (the machine's speed now against the profile's: the floor
+        a bench re-measured, ``[Note: floor re-measured]``).
     """
     if variant == "whole":
         g, members = grouped(graph, [list(graph.names)])
@@ -201,7 +205,8 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
         n = serves[r.rank]
         want = float(r.threads) if cpu else float(r.slice_gb or 0.0)
         tables = [latency_table(profiles[m], want, r.batch_size) for m in members[n]]
-        lat = tuple(float(sum(t[0][b] for t in tables)) for b in range(r.batch_size))
+        f = [float((scale or {}).get(m, 1.0)) for m in members[n]]
+        lat = tuple(float(sum(k * t[0][b] for k, t in zip(f, tables, strict=True))) for b in range(r.batch_size))
         sigma = max(t[1] for t in tables)
         own = calibration.program(n, switchboard_sha256)
         progs = [calibration.program(m, switchboard_sha256) for m in members[n]]

@@ -24,8 +24,11 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   asleep; every rank's turn costs CPU (per message, per request) and a batch its profiled latency at that
   batch and thread count (or slice), plus the calibrated cold extra after an idle gap, with the profile's
   spread as jitter;
-- **time-shared CPU** (CPU plans): every turn is work on its node's cores; when the busy ranks' threads
-  exceed the cores each runs at ``cores / threads`` of its speed (processor sharing), and ``k`` ranks
+- **idle policy** (``mailbox.Backoff``): after its work a rank polls back to back for ``spin_us``, taking a
+  core, and sees a message in that time at once; then it sleeps, and a message waits the hop delay of its
+  idle gap;
+- **time-shared CPU** (CPU plans): every turn is work on its node's cores; when the busy and polling ranks'
+  threads exceed the cores each runs at ``cores / threads`` of its speed (processor sharing), and ``k`` ranks
   computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth).
 
 The batching rule is checked against the runtime's code on the same trace (``tests/unit/test_simulator.py``
@@ -54,7 +57,8 @@ STATUS_PENDING = 0
 STATUS_OK = 1  # as runtime.frontend.STATUS_OK
 STATUS_TIMEOUT = 2
 
-_ARR, _DLV, _TURN, _DONE = 0, 1, 2, 3
+_ARR, _DLV, _TURN, _DONE, _SPIN = 0, 1, 2, 3, 4
+_IDLE, _SCHEDULED, _BUSY, _SPINNING = 0, 1, 2, 3  # a rank's states
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,7 @@ class ServePolicy:
     max_wait_ms: float = 0.0
     request_timeout_s: float = 60.0
     max_admit: int = 256  # runtime.frontend.Frontend.run's max_admit
+    spin_us: float = 50.0  # a rank polls back to back this long after work (runtime.mailbox.SPIN_S, runtime.spin_us)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> ServePolicy:
@@ -78,8 +83,9 @@ class ServePolicy:
         node = cfg.get("runtime")
         values = {**group_defaults("runtime"), **(node if isinstance(node, Mapping) else {})}
         c = Checker("runtime", values, list(values))
+        spin = c.number("spin_us", lo=0, none=True)
         out = cls(c.integer("max_inflight", lo=1), c.number("max_wait_ms", lo=0),
-                  c.number("request_timeout_s", lo=0, lo_open=True))
+                  c.number("request_timeout_s", lo=0, lo_open=True), spin_us=50.0 if spin is None else spin)
         c.done()
         return out
 
@@ -199,7 +205,8 @@ class _Sim:
         self.cold = [r.cold for r in s.ranks]
         self.need = [c.need for c in s.components]
         self.sinks = [c.sinks for c in s.components]
-        self.state = [0] * n  # 0 idle, 1 turn scheduled, 2 busy
+        self.state = [_IDLE] * n
+        self.sv = [0] * n  # spin versions (a message during the spin ends it)
         self.waiting = [False] * n  # the scheduled turn is a batch's max_wait_ms deadline
         self.tv = [0] * n  # turn versions (a newer scheduled turn makes older ones stale)
         self.jv = [0] * n  # job versions (processor sharing reschedules a job's end)
@@ -213,6 +220,8 @@ class _Sim:
         nodes = max(self.node) + 1
         self.cores = list(s.node_cores) if self.shared else [math.inf] * nodes
         self.jobs: list[dict[int, list[float]]] = [{} for _ in range(nodes)]  # rank -> [work left, threads]
+        self.spinners = [0] * nodes  # ranks polling after work: they take their share of the cores
+        self.spin_s = s.policy.spin_us / 1e6
         self.rate = [1.0] * nodes
         self.t_node = [0.0] * nodes
         self.heap: list[tuple[float, int, int, int, Any]] = []
@@ -266,7 +275,7 @@ class _Sim:
         jobs = self.jobs[node]
         if not jobs:
             return
-        threads = sum(j[1] for j in jobs.values())
+        threads = sum(j[1] for j in jobs.values()) + self.spinners[node]
         rate = min(1.0, self.cores[node] / threads) / self.cal.corun(len(jobs))
         self.rate[node] = rate
         for r, j in jobs.items():
@@ -282,7 +291,7 @@ class _Sim:
         self.t_node[node] = now
 
     def start_job(self, r: int, now: float, work: float, what: Any) -> None:
-        self.state[r] = 2
+        self.state[r] = _BUSY
         self.job[r] = (now, what)
         if not self.shared:
             self.jv[r] += 1
@@ -303,6 +312,35 @@ class _Sim:
             del self.jobs[node][r]
             self._reschedule(node, now)
         return what
+
+    def spin(self, r: int, now: float) -> None:
+        """Nothing left to do: the rank polls back to back for ``spin_us`` (taking a core), then sleeps."""
+        self.last[r] = now
+        if self.spin_s <= 0:
+            self.state[r] = _IDLE
+            return
+        self.state[r] = _SPINNING
+        self.sv[r] += 1
+        self.push(now + self.spin_s, _SPIN, r, self.sv[r])
+        if self.shared:
+            node = self.node[r]
+            self._advance(node, now)
+            self.spinners[node] += 1
+            self._reschedule(node, now)
+
+    def unspin(self, r: int, now: float) -> None:
+        if self.shared:
+            node = self.node[r]
+            self._advance(node, now)
+            self.spinners[node] -= 1
+            self._reschedule(node, now)
+
+    def turn_now(self, r: int, t: float) -> None:
+        """A spinning rank sees the message (or arrival) at once: no wake-up."""
+        self.unspin(r, t)
+        self.state[r] = _SCHEDULED
+        self.tv[r] += 1
+        self.push(t, _TURN, r, self.tv[r])
 
     # ------------------------------------------------------------------ the loop
     def run(self, arr: np.ndarray) -> SimRun:
@@ -331,8 +369,11 @@ class _Sim:
             if kind == _DLV:
                 ids, cross = payload
                 self.inbox[r].append(ids)
-                if self.state[r] == 0 or self.waiting[r]:  # asleep, or until a batch's deadline: rung
-                    self.state[r] = 1
+                st = self.state[r]
+                if st == _SPINNING:
+                    self.turn_now(r, t)
+                elif st == _IDLE or self.waiting[r]:  # asleep, or until a batch's deadline: rung
+                    self.state[r] = _SCHEDULED
                     self.waiting[r] = False
                     self.tv[r] += 1
                     self.push(t + self.hop_extra(t - self.last[r], cross), _TURN, r, self.tv[r])
@@ -342,8 +383,12 @@ class _Sim:
                         self.fe_done(t)
                     else:
                         self.comp_done(r, t)
+            elif kind == _SPIN:
+                if payload == self.sv[r] and self.state[r] == _SPINNING:
+                    self.state[r] = _IDLE
+                    self.unspin(r, t)
             elif kind == _TURN:
-                if payload == self.tv[r] and self.state[r] == 1:
+                if payload == self.tv[r] and self.state[r] == _SCHEDULED:
                     if r == 0:
                         self.fe_turn(t)
                     else:
@@ -352,11 +397,14 @@ class _Sim:
                 self.nxt += 1
                 if self.nxt < n_req:
                     self.push(self.arr[self.nxt], _ARR, 0)
-                if self.state[0] == 0 and self.inflight < s.policy.max_inflight:
-                    self.state[0] = 1
-                    self.tv[0] += 1
-                    lag = self._timer.at((t - self.last[0]) * 1e3) / 1e3
-                    self.push(t + lag, _TURN, 0, self.tv[0])
+                if self.inflight < s.policy.max_inflight:
+                    if self.state[0] == _SPINNING:
+                        self.turn_now(0, t)
+                    elif self.state[0] == _IDLE:  # asleep until this arrival: the timer's lag
+                        self.state[0] = _SCHEDULED
+                        self.tv[0] += 1
+                        lag = self._timer.at((t - self.last[0]) * 1e3) / 1e3
+                        self.push(t + lag, _TURN, 0, self.tv[0])
         done = np.asarray(self.done)
         return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
                       np.asarray(self.busy), events)
@@ -422,10 +470,10 @@ class _Sim:
                 self.router.release(self.routes[i])
         self.last[0] = t
         if self.inbox[0] or (self.adm < self.nxt and self.inflight < s.policy.max_inflight):
-            self.state[0] = 1
+            self.state[0] = _SCHEDULED
             self.fe_turn(t)
         else:
-            self.state[0] = 0
+            self.spin(0, t)
 
     # ------------------------------------------------------------------ a component replica
     def comp_turn(self, r: int, t: float) -> None:
@@ -473,10 +521,10 @@ class _Sim:
         if ready:  # a batch waits for max_wait_ms: the rank sleeps until then (or a message rings it)
             self.wait_for_batch(r)
         else:
-            self.state[r] = 0
+            self.spin(r, t)
 
     def wait_for_batch(self, r: int) -> None:
-        self.state[r] = 1
+        self.state[r] = _SCHEDULED
         self.waiting[r] = True
         self.tv[r] += 1
         t0 = self.ready[r][0][0]
@@ -501,9 +549,9 @@ class _Sim:
         self.last[r] = t
         ready = self.ready[r]
         if self.inbox[r] or (ready and (len(ready) >= self.bs[r] or t - ready[0][0] >= self.wait_s)):
-            self.state[r] = 1
+            self.state[r] = _SCHEDULED
             self.comp_turn(r, t)
         elif ready:
             self.wait_for_batch(r)
         else:
-            self.state[r] = 0
+            self.spin(r, t)

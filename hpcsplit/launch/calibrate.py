@@ -26,7 +26,7 @@ from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.runtime.settings import RuntimeSettings
 from hpcsplit.runtime.threads import configure_rank
 
-__all__ = ["CalibrateSettings", "mpi_main"]
+__all__ = ["SETTINGS", "CalibrateSettings", "mpi_main"]
 
 MEASURE_MODULE = "hpcsplit.launch.calibrate_run"  # imports torch: only after the thread settings
 
@@ -80,6 +80,9 @@ class CalibrateSettings:
         )
         c.done()
         return out
+
+
+SETTINGS: dict[str, type | dict[str, type]] = {"calibrate": CalibrateSettings}
 
 
 def _increasing(c: Checker, key: str, whole: bool = False) -> tuple[float, ...]:

@@ -6,12 +6,13 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
 - **CPU per batch and per request** of a component: its CPU seconds at saturation, batch 1 and batch 32, solve
   ``cpu = a * batches + b * requests`` (``component_us_per_message = a / 2``: one message in, one out;
   ``component_us_per_request = b``); the frontend's the same way, ``cpu = c * requests + d * messages``;
-- **links**: the back-to-back ping-pong's round trip at each size is ``2 m + turn + 2 * bytes / bandwidth``
-  (``turn``: the replica's CPU of a batch of one, ``a + b``): ``m`` is the one-way latency of a small message
-  to a busy rank; across nodes from the ``cross`` ping-pong the same way;
-- **hop** to a rank idle ``g`` (the idle time the replica had, measured): round trip less ``turn`` less the way
-  back ``m`` (at least ``m``); ``hop_p90`` the same from the round trip's 90th percentile; ``cross_extra``: the
-  cross-node hop less the same-node hop at the same nominal gap;
+- **links**: on one node the back-to-back ping-pong's one-way time (send to the replica's program) less the
+  replica's CPU before it (``recv = a / 2 + b``) is ``m + bytes / bandwidth`` at each size: ``m`` is the latency
+  of a small message to a busy rank; across nodes (no common clock) the round trip is ``2 m + turn + 2 * bytes /
+  bandwidth`` (``turn = a + b``);
+- **hop** to a rank idle ``g`` (the idle time the replica had, measured): the one-way time less ``recv`` (across
+  nodes: the round trip less ``turn`` less the way back ``m``), at least ``m``; ``hop_p90`` the same at the
+  90th percentile; ``cross_extra``: the cross-node hop less the same-node hop at the same nominal gap;
 - **frontend timer**: the runtime frontend's median admission lag (admit - arrival) with requests ``g`` apart,
   against its idle time (``g`` less the pipeline time);
 - **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
@@ -75,30 +76,42 @@ def _cpu(chains: Mapping[str, Any]) -> tuple[float, float, float, float]:
     return a, b, c, d
 
 
-def _pingpong(pp: Mapping[str, Any], turn_ms: float, floor_ms: float) -> tuple[Link, dict[float, tuple[float, float, float]]]:
-    """The link (latency to a busy rank, bandwidth) and, per nominal gap, ``(idle ms, hop ms, hop p90 ms)``."""
-    pts = sorted((int(v["bytes"]), _med(v["rtt_ms"])) for k, v in pp.items() if k.startswith("stream "))
+def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
+              floor_ms: float) -> tuple[Link, dict[float, tuple[float, float, float]]]:
+    """The link (latency to a busy rank, bandwidth) and, per nominal gap, ``(idle ms, hop ms, hop p90 ms)``.
+
+    With one-way times (one clock) the hop is the one-way time less the replica's CPU before its program ran
+    (``recv_ms``); from round trips it is the round trip less the replica's turn less the way back (``m``).
+    """
+    streams = sorted((int(v["bytes"]), v) for k, v in pp.items() if k.startswith("stream "))
+    one_way = bool(streams) and all(math.isfinite(x) for _, v in streams for x in v.get("one_way_ms", [math.nan]))
+
     m, gb_s = floor_ms, 0.5
     sizes: tuple[int, ...] = ()
-    one_way: tuple[float, ...] = ()
-    if pts:
-        sz = np.array([p[0] for p in pts], dtype=float)
-        rtt = np.array([p[1] for p in pts], dtype=float)
-        m = max(floor_ms, (rtt[0] - turn_ms) / 2)
-        if len(pts) >= 2 and sz[-1] > sz[0]:
-            slope = float(np.polyfit(sz, rtt, 1)[0])  # ms per byte, for both ways
+    ways: tuple[float, ...] = ()
+    if streams:
+        sz = np.array([b for b, _ in streams], dtype=float)
+        per = np.array([(float(np.median(v["one_way_ms"])) - recv_ms) if one_way
+                        else (float(np.median(v["rtt_ms"])) - turn_ms) / 2 for _, v in streams], dtype=float)
+        m = max(floor_ms, float(per[0]))
+        if len(streams) >= 2 and sz[-1] > sz[0]:
+            slope = float(np.polyfit(sz, per, 1)[0])  # ms per byte one way
             if slope > 0:
-                gb_s = min(1e4, 2.0 / (slope * 1e6))
+                gb_s = min(1e4, 1.0 / (slope * 1e6))
         sizes = tuple(int(x) for x in sz)
-        one_way = tuple(float(max(floor_ms, (x - turn_ms) / 2)) for x in rtt)
+        ways = tuple(float(max(floor_ms, x)) for x in per)
     hops: dict[float, tuple[float, float, float]] = {}
     for k, v in pp.items():
         if k.startswith("gap ") and v["rtt_ms"]:
-            r = np.asarray(v["rtt_ms"], dtype=float)
             idle = _med(v["idle_ms"])
-            hops[float(v["gap_ms"])] = (idle, max(m, float(np.median(r)) - turn_ms - m),
-                                        max(m, float(np.quantile(r, 0.9)) - turn_ms - m))
-    return Link(float(m), float(gb_s), sizes, one_way), hops
+            if one_way:
+                h50 = float(np.median(v["one_way_ms"])) - recv_ms
+                h90 = float(np.quantile(v["one_way_ms"], 0.9)) - recv_ms
+            else:  # the round trip less the replica's turn and the way back to a rank that just sent
+                h50 = float(np.median(v["rtt_ms"])) - turn_ms - m
+                h90 = float(np.quantile(v["rtt_ms"], 0.9)) - turn_ms - m
+            hops[float(v["gap_ms"])] = (idle, max(m, h50), max(m, h90))
+    return Link(float(m), float(gb_s), sizes, ways), hops
 
 
 def _increasing(points: list[tuple[float, float]]) -> Curve:
@@ -123,7 +136,8 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
     notes: list[str] = []
     a, b, c, d = _cpu(chains)
     turn_ms = (a + b) * 1e3  # a batch of one: the CPU the simulator charges itself
-    same, hops = _pingpong(chains.get("pingpong", {}), turn_ms, 0.002)
+    recv_ms = (a / 2 + b) * 1e3  # the replica's CPU from a message's arrival to its program: one message, one request
+    same, hops = _pingpong(chains.get("pingpong", {}), recv_ms, turn_ms, 0.002)
     hop = [(0.0, same.latency_ms)] + [(h[0], h[1]) for _, h in sorted(hops.items())]
     p90 = [(0.0, same.latency_ms)] + [(h[0], h[2]) for _, h in sorted(hops.items())]
     timer = [(0.0, 0.0)]
@@ -132,7 +146,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
             timer.append((max(0.0, float(v["gap_ms"]) - _med(v["pipe_ms"])), _med(v["lag_ms"])))
     cross_link, cross_extra = None, Curve.constant(0.0)
     if chains.get("pingpong cross"):
-        cross_link, xhops = _pingpong(chains["pingpong cross"], turn_ms, same.latency_ms)
+        cross_link, xhops = _pingpong(chains["pingpong cross"], recv_ms, turn_ms, same.latency_ms)
         pts = [(0.0, cross_link.latency_ms - same.latency_ms)]
         pts += [(hops[g][0], xh[1] - hops[g][1]) for g, xh in sorted(xhops.items()) if g in hops]
         cross_extra = _increasing(pts)

@@ -6,9 +6,10 @@ Every rank takes part in one fixed sequence of steps (the same on every rank, so
 each chain the components run the runtime's own loop (``serve_component``) on ``x + 1``:
 
 1. **ping-pong** with a replica on rank 0's node, and with one on another node when the job has one: rank 0
-   polls back to back (it never sleeps while a reply is due) and sends each request once the replica has been
-   idle a gap (``gaps_ms``; back to back at each of ``sizes_bytes`` first): the round trip, less the replica's
-   CPU and the way back, is the hop to a rank idle that long (its backoff, doorbell, wake-up and cold caches);
+   sends each request once the replica has been idle a gap (``gaps_ms``; back to back at each of
+   ``sizes_bytes`` first) and waits for the answer as the runtime's loops wait; the replica's program stamps the
+   time it ran into its answer, so on one node the hop to a rank idle that long (its backoff, doorbell, wake-up
+   and cold caches) is measured one way; across nodes the round trip;
 2. **chains through the runtime's frontend**, ``one`` (frontend -> a -> frontend) and ``two`` (-> a -> b ->),
    with requests ``chain_gaps_ms`` apart: the frontend's admission lag after a sleep (admit - arrival), and
    pipeline times the simulator is checked against;
@@ -48,7 +49,7 @@ from hpcsplit.runtime.component import serve_component
 from hpcsplit.runtime.context import barrier, say
 from hpcsplit.runtime.doorbell import start_doorbell
 from hpcsplit.runtime.frontend import Frontend
-from hpcsplit.runtime.mailbox import Inbox, Outbox, spin_after_work_s
+from hpcsplit.runtime.mailbox import Backoff, Inbox, Outbox, spin_after_work_s
 from hpcsplit.runtime.routing import Dataflow, GraphSpec, build_dataflow
 from hpcsplit.runtime.settings import RuntimeSettings
 from hpcsplit.runtime.threads import cpu_seconds
@@ -98,12 +99,12 @@ class _Job:
         barrier(self.comm, None, WAIT_SLEEP_S, self.rt.load_timeout_s, f"calibration: {what}")
 
     # ------------------------------------------------------------------ chains
-    def chain(self, name: str, ranks: list[int], batch: int, drive: Any) -> None:
-        """Serve ``ranks`` as a chain of ``x + 1`` components while rank 0 runs ``drive(df)``, then STOP."""
+    def chain(self, name: str, ranks: list[int], batch: int, drive: Any, fn: Any = None) -> None:
+        """Serve ``ranks`` as a chain of components (``x + 1``, or ``fn``) while rank 0 runs ``drive(df)``, then STOP."""
         df = chain_dataflow(ranks, batch)
         self.wait(f"{name}: start")
         if self.rank in ranks:
-            st = serve_component(self.comm, df, df.rank_component[self.rank], lambda x: x + 1, batch, 0.0,
+            st = serve_component(self.comm, df, df.rank_component[self.rank], fn or (lambda x: x + 1), batch, 0.0,
                                  self.rt.request_timeout_s, idle_sleep_s=self.rt.idle_sleep_ms / 1e3,
                                  spin_s=self.spin_s)
             self.raw["chains"].setdefault(name, {})["component"] = {k: st[k] for k in ("batches", "requests", "cpu_s")}
@@ -124,45 +125,54 @@ class _Job:
             return out
         return drive
 
-    def pingpong(self, sizes: tuple[int, ...], gaps_ms: tuple[float, ...]) -> Any:
-        """A chain driver: rank 0 polls back to back (never sleeps while a reply is due) and sends each request
-        once the replica has been idle the gap; the round trip less the replica's CPU and the way back is the
-        hop to a rank idle that long (``[Note: calibration fit]``)."""
+    def pingpong(self, sizes: tuple[int, ...], gaps_ms: tuple[float, ...], same_clock: bool) -> Any:
+        """A chain driver: rank 0 sends each request once the replica has been idle the gap and waits for the
+        answer as the runtime's loops wait (its backoff and doorbell).  The replica's program writes the time it
+        runs into its answer (:func:`_stamped`): on one node (one clock) that less the send time is the one-way
+        hop to a rank idle that long; across nodes only the round trip is used (``[Note: calibration fit]``)."""
         def drive(df: Dataflow) -> dict[str, Any]:
             comm, dest = self.comm, df.components[0].replicas[0]
             inbox, outbox = Inbox(comm), Outbox()
+            backoff = Backoff(spin_s=self.spin_s, deep_sleep_s=self.rt.idle_sleep_ms / 1e3)
             ids = iter(range(1 << 40))
             out: dict[str, Any] = {}
             last = [time.perf_counter()]
 
-            def one(x: torch.Tensor, gap_s: float) -> tuple[float, float]:
+            def one(x: torch.Tensor, gap_s: float) -> tuple[float, float, float]:
                 due = last[0] + gap_s
-                while (now := time.perf_counter()) < due:
-                    if due - now > 2e-3:
-                        time.sleep(due - now - 1e-3)
+                while (now := time.perf_counter()) < due:  # as the frontend waits for an arrival
+                    backoff.idle(now, due, False, quiet=True)
+                backoff.reset()
                 t0 = time.perf_counter()
                 outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [next(ids)], [(dest,)], [(0, x)]), dest)
                 deadline = t0 + self.rt.request_timeout_s
-                while not inbox.poll():
-                    outbox.reap()
-                    if time.perf_counter() > deadline:
+                while not (got := inbox.poll()):
+                    now = time.perf_counter()
+                    if now > deadline:
                         raise CalibrationError(f"calibration: rank {dest} did not answer within "
                                                f"{self.rt.request_timeout_s:g} s (runtime.request_timeout_s)")
+                    outbox.reap()
+                    backoff.idle(now, deadline, bool(inbox.pending) or outbox.in_flight(now),
+                                 quiet=not inbox.pending and not outbox.pending)
+                backoff.reset()
                 last[0] = time.perf_counter()
-                return (last[0] - t0) * 1e3, (t0 - due + gap_s) * 1e3
+                ran = float(got[0][0].tensors[0][0, 0])
+                return (last[0] - t0) * 1e3, ((ran - t0) * 1e3 if same_clock else float("nan")), (t0 - due + gap_s) * 1e3
 
             for b in sizes:
-                x = torch.zeros(1, max(1, b // 4))
+                x = torch.zeros(1, max(1, b // 8), dtype=torch.float64)
                 for _ in range(5):
                     one(x, 0.0)
-                rtt = [one(x, 0.0)[0] for _ in range(self.s.samples)]
-                out[f"stream {b}"] = {"bytes": b, "rtt_ms": rtt}
-            x = torch.zeros(1, 16)
+                got = [one(x, 0.0) for _ in range(self.s.samples)]
+                out[f"stream {b}"] = {"bytes": b, "rtt_ms": [g[0] for g in got], "one_way_ms": [g[1] for g in got]}
+            x = torch.zeros(1, 16, dtype=torch.float64)
             for g in gaps_ms:
-                pairs = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples) + 1)][1:]
-                out[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [p[0] for p in pairs], "idle_ms": [p[1] for p in pairs]}
+                got = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples) + 1)][1:]
+                out[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [p[0] for p in got], "one_way_ms": [p[1] for p in got],
+                                     "idle_ms": [p[2] for p in got]}
                 say(0, f"calibration: ping-pong to rank {dest} idle {g:g} ms: round trip p50 "
-                       f"{np.median(out[f'gap {g:g}']['rtt_ms']):.3f} ms")
+                       f"{np.median(out[f'gap {g:g}']['rtt_ms']):.3f} ms, one way p50 "
+                       f"{np.median(out[f'gap {g:g}']['one_way_ms']):.3f} ms")
             outbox.add(tp.isend_message(comm, dest, tp.KIND_STOP), dest)
             outbox.drain(timeout_s=self.rt.wait_bound_s)
             return out
@@ -248,6 +258,13 @@ class _Job:
         return {"switchboard_sha256": sb.sha256, "programs": progs}
 
 
+def _stamped(x: torch.Tensor) -> torch.Tensor:
+    """The ping-pong replica's program: its input with the time it ran (``time.perf_counter``) in the first entry."""
+    y = x.clone()
+    y[:, 0] = time.perf_counter()
+    return y
+
+
 def _times(fn: Any, n: int, sleep_s: float) -> list[float]:
     out = []
     for _ in range(n):
@@ -272,9 +289,9 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
         say(0, db.note)
     t0 = time.perf_counter()
     a = job.same[0]
-    job.chain("pingpong", [a], 1, job.pingpong(s.sizes_bytes, s.gaps_ms))
+    job.chain("pingpong", [a], 1, job.pingpong(s.sizes_bytes, s.gaps_ms, True), _stamped)
     if job.cross:
-        job.chain("pingpong cross", [job.cross[0]], 1, job.pingpong(s.sizes_bytes, s.gaps_ms))
+        job.chain("pingpong cross", [job.cross[0]], 1, job.pingpong(s.sizes_bytes, s.gaps_ms, False), _stamped)
     check = job.gap_sessions(s.chain_gaps_ms)
     job.chain("one", [a], 1, job.frontend_sessions(check))
     if len(job.same) >= 2:

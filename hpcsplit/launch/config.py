@@ -41,6 +41,8 @@ from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.settings import closest, conf_dir, group_defaults
 from hpcsplit.errors import ConfigError, PlanError
+from hpcsplit.launch.calibrate import CalibrateSettings
+from hpcsplit.launch.simulate import SimulateSettings
 from hpcsplit.launch.stages import STAGE_NAMES, launcher_problems
 from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 
@@ -312,6 +314,8 @@ _LIGHT: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "paths": lambda cfg: RunPaths.from_config(cfg, "."),
     "runtime": RuntimeSettings.from_config,
     "bench": BenchSettings.from_config,
+    "calibrate": CalibrateSettings.from_config,
+    "simulate": SimulateSettings.from_config,
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -36,13 +37,16 @@ from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.core.sim_model import SimGraph, build_system
 from hpcsplit.core.simulator import ServePolicy, SimSystem, simulate
 from hpcsplit.errors import ConfigError
+from hpcsplit.launch.pipeline import load_manifest
+from hpcsplit.launch.summary import write_summary
 from hpcsplit.runtime.settings import stage_settings
 from hpcsplit.switchboard.layout import load_layout
 
-__all__ = ["Predicted", "Schedule", "SimulateSettings", "compare_rows", "predict", "run_simulate"]
+__all__ = ["SETTINGS", "Predicted", "Schedule", "SimulateSettings", "compare_rows", "predict", "run_simulate"]
 
 VARIANTS = ("whole", "split")
-SATURATED = 0.9  # a measured level whose achieved rate is below this share of the offered one is past saturation
+SATURATED = 0.9  # a measured level whose achieved rate is below this share of what its schedule offers is saturated
+RUN_REQUESTS = 2000  # a level is simulated ``runs`` times, or fewer once that many requests were simulated
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,9 @@ class SimulateSettings:
         return out
 
 
+SETTINGS: dict[str, type | dict[str, type]] = {"simulate": SimulateSettings}
+
+
 def _names(c: Checker, key: str, valid: Sequence[str]) -> tuple[str, ...]:
     v = c.get(key)
     if not isinstance(v, list | tuple) or not v or any(x not in valid for x in v) or len(set(v)) != len(v):
@@ -108,6 +115,7 @@ class Predicted:
     arrival: str
     offered_qps: float
     n_requests: int
+    schedule_qps: float  # the rate the schedule itself offers: (requests - 1) / its span (Poisson varies)
     success_rate: float
     achieved_qps: float
     p50_ms: float
@@ -118,7 +126,8 @@ class Predicted:
 
 def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequence[str], runs: int,
             seed: int = 0) -> list[Predicted]:
-    """Simulate every variant x arrival process x level of ``schedule`` ``runs`` times; medians per level."""
+    """Simulate every variant x arrival process x level of ``schedule`` ``runs`` times (fewer for a level of many
+    requests: at least :data:`RUN_REQUESTS` requests in all); medians per level."""
     out = []
     for variant, system in systems.items():
         for kind in arrivals:
@@ -126,19 +135,22 @@ def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequ
                 arr = level_arrivals(q, i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
                 t0 = time.perf_counter()
                 ss = []
-                for k in range(runs):
+                span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
+                for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
                     r = simulate(system, arr, seed=seed + 1000 * k + i)
                     ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok))
                 med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
                        for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms")}
-                out.append(Predicted(variant, kind, q, len(arr), sim_s=time.perf_counter() - t0, **med))
+                out.append(Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
+                                     sim_s=time.perf_counter() - t0, **med))
     return out
 
 
 def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str) -> list[dict[str, Any]]:
     """Predicted beside measured per (variant, level) of the bench's arrival process, with the errors.
 
-    A level whose measured achieved rate is below :data:`SATURATED` of its offered rate is *saturated*: its
+    A level whose measured achieved rate is below :data:`SATURATED` of what its schedule offers (its requests over
+    its span: a Poisson schedule of 30 requests offers 20 % more or less than the nominal rate) is *saturated*: its
     throughput is compared; the others' p50 and p99.
     """
     by = {(p.variant, p.offered_qps): p for p in pred if p.arrival == arrival}
@@ -149,7 +161,7 @@ def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]
         if p is None:
             continue
         mq, m50, m99 = float(m["achieved_qps"]), float(m["p50_ms"]), float(m["p99_ms"])
-        saturated = mq < SATURATED * key[1]
+        saturated = mq < SATURATED * p.schedule_qps
         rows.append({
             "variant": key[0], "offered_qps": key[1], "saturated": saturated,
             "measured_qps": mq, "predicted_qps": p.achieved_qps, "qps_err_pct": _err(p.achieved_qps, mq),
@@ -222,9 +234,21 @@ def schedule_of(cfg: Mapping[str, Any], s: SimulateSettings, rec: Mapping[str, A
 
 
 def systems_for(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, cal: Calibration,
-                policy: ServePolicy, variants: Sequence[str], cores: float, sha: str | None) -> dict[str, SimSystem]:
+                policy: ServePolicy, variants: Sequence[str], cores: float, sha: str | None,
+                scale: Mapping[str, float] | None = None) -> dict[str, SimSystem]:
     return {v: build_system(plan, profiles, graph, cal, policy, variant=v, cores_per_node=cores,
-                            switchboard_sha256=sha) for v in variants}
+                            switchboard_sha256=sha, scale=scale) for v in variants}
+
+
+def floor_scale(paths: RunPaths) -> dict[str, float] | None:
+    """Per component: the batch-1 time the bench re-measured just before its split levels over the profile's
+    (``[Note: floor re-measured]``): how much faster or slower the machine was during the bench."""
+    try:
+        r = json.loads(paths.rank_result("hpcsplit.runtime.stage:mpi_main").read_text())
+        now, prof = r["critical_path_now_components_ms"], r["critical_path_components_ms"]
+        return {c: float(now[c]) / float(prof[c]) for c in now if c in prof and float(prof[c]) > 0}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _profiles(paths: RunPaths) -> dict[str, ComponentProfile]:
@@ -262,6 +286,23 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                               "simulate_s": time.perf_counter() - t0, "dir": str(out)}
     if bench is not None:
         rows = compare_rows(pred, bench[1], sched.arrival)
+        scale = floor_scale(paths)
+        if scale:  # the same simulation with the profile moved to the machine's speed during the bench
+            now = predict(systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy,
+                                      s.variants, float(cluster.cores_per_node), sha, scale),
+                          sched, (sched.arrival,), s.runs, s.seed)
+            by = {(p.variant, p.offered_qps): p for p in now}
+            for r in rows:
+                p = by[(r["variant"], r["offered_qps"])]
+                r.update(predicted_now_p50_ms=p.p50_ms, predicted_now_p99_ms=p.p99_ms, predicted_now_qps=p.achieved_qps,
+                         now_p50_err_pct=_err(p.p50_ms, r["measured_p50_ms"]),
+                         now_p99_err_pct=_err(p.p99_ms, r["measured_p99_ms"]),
+                         now_qps_err_pct=_err(p.achieved_qps, r["measured_qps"]))
+            result["floor_scale"] = scale
+            print("the bench re-measured each component's batch of one just before its split levels: "
+                  + ", ".join(f"{c} {f:.2f}x the profile" for c, f in scale.items())
+                  + "; predictions with the profile moved to that speed are the predicted_now_* columns of compare.csv",
+                  flush=True)
         _write_csv(out / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
         table = format_compare(rows)
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
@@ -270,7 +311,18 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         result["plots"] = _plot(out, pred, bench[1] if bench else [], sched.arrival)
     except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the figures
         print(f"could not plot: {e}", flush=True)
+    _refresh_summary(paths)
     return result
+
+
+def _refresh_summary(paths: RunPaths) -> None:
+    """A pipeline's run folder (it has ``manifest.json``): write its ``summary.md`` again, with the simulation."""
+    if not paths.manifest.is_file():
+        return
+    m = load_manifest(paths.manifest)
+    bench = (m.get("stages") or {}).get("bench") or {}
+    write_summary(paths, m, switchboard=paths.switchboard if paths.switchboard.is_dir() else None,
+                  profile=paths.profile, plan=paths.plan, bench_result=bench.get("result"))
 
 
 def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:

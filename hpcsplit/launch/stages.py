@@ -29,8 +29,6 @@ from hpcsplit.core.cluster import ClusterSpec
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
-from hpcsplit.launch.calibrate import CalibrateSettings
-from hpcsplit.launch.simulate import SimulateSettings
 
 __all__ = [
     "LAUNCHERS",
@@ -194,8 +192,6 @@ SETTINGS: dict[str, type | dict[str, type]] = {
     "launcher": dict(_LAUNCHER_CLASSES),
     "cluster": ClusterSpec,
     "paths": RunPaths,
-    "calibrate": CalibrateSettings,
-    "simulate": SimulateSettings,
 }
 
 

@@ -125,9 +125,12 @@ def _raw(hop_ms: float, turn_s: float = 30e-6) -> dict:
     """Raw figures of a calibration job on a machine whose hop is ``hop_ms`` at every gap (ms)."""
     m = 0.01
     rtt0 = 2 * m + turn_s * 1e3
-    pp = {f"stream {b}": {"bytes": b, "rtt_ms": [rtt0 + 2 * b / 2e6] * 5} for b in (64, 1 << 20)}
+    recv = (turn_s - 5e-6) / 2 * 1e3 + 5e-3  # a / 2 + b of the saturation runs below (a = 25 us + ..., b = 5 us)
+    pp = {f"stream {b}": {"bytes": b, "rtt_ms": [rtt0 + 2 * b / 2e6] * 5, "one_way_ms": [m + recv + b / 2e6] * 5}
+          for b in (64, 1 << 20)}
     for g in (1.0, 10.0, 100.0):
-        pp[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [hop_ms + turn_s * 1e3 + m] * 9, "idle_ms": [g] * 9}
+        pp[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [hop_ms + turn_s * 1e3 + m] * 9,
+                            "one_way_ms": [hop_ms + recv] * 9, "idle_ms": [g] * 9}
     sat = {"saturation b1": {"component": {"batches": 1000, "requests": 1000, "cpu_s": 1000 * turn_s},
                              "saturation": {"requests": 1000, "wall_s": 0.1, "frontend_cpu_s": 1000 * 40e-6}},
            "saturation b32": {"component": {"batches": 40, "requests": 1000, "cpu_s": 40 * 25e-6 + 1000 * 5e-6},

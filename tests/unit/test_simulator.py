@@ -62,20 +62,32 @@ def test_the_simulator_routes_with_the_runtimes_own_router() -> None:
                          for c in ("a", "b")}, batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
     system = build_system(plan, prof.components, sim, free(), ServePolicy(), cores_per_node=8)
     assert [c.replicas for c in system.components] == [c.replicas for c in df.components]
-    theirs, ours = Router(df), ReplicaRouter([c.replicas for c in system.components],
-                                             {r.rank: r.size for r in system.ranks})
-    rnd = random.Random(4)
+    _same_choices(Router(df), ReplicaRouter([c.replicas for c in system.components],
+                                            {r.rank: r.size for r in system.ranks}), 500, 0.45, 0.1, seed=4)
+
+
+def _same_choices(a: ReplicaRouter, b: ReplicaRouter, steps: int, p_release: float, p_fail: float, seed: int) -> None:
+    """Random assigns and releases (some failed) given to both routers: every route must be the same."""
+    rnd = random.Random(seed)
     live: list[tuple[int, ...]] = []
-    for _ in range(500):
-        if live and rnd.random() < 0.45:
+    for _ in range(steps):
+        if live and rnd.random() < p_release:
             route = live.pop(rnd.randrange(len(live)))
-            failed = rnd.random() < 0.1
-            ours.release(route, failed)
-            theirs.release(route, failed)
+            failed = rnd.random() < p_fail
+            a.release(route, failed)
+            b.release(route, failed)
         else:
-            a = ours.assign()
-            assert a == theirs.assign()
-            live.append(a)
+            got = a.assign()
+            assert b.assign() == got
+            live.append(got)
+
+
+@pytest.mark.parametrize("n", [9, 40])
+def test_many_replicas_kept_in_order_pick_what_a_scan_picks(n: int) -> None:
+    reps = [tuple(range(1, n + 1)), (n + 1, n + 2)]
+    sizes = {r: float(r % 3) for r in range(1, n + 3)}
+    _same_choices(ReplicaRouter(reps, sizes, bucket_min=10**9), ReplicaRouter(reps, sizes, bucket_min=3), 5000,
+                  0.48, 0.05, seed=n)
 
 
 def test_batches_are_the_runtimes_batcher_on_the_same_trace() -> None:
@@ -119,14 +131,23 @@ def test_ranks_sharing_one_core_take_turns() -> None:
                         batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
     plan = _toy_plan(["a", "b", "h"])
     lat = {}
+    quiet = ServePolicy(spin_us=0.0)  # no polling after work: only the two branches want the core
     for cores in (1, 2):
-        s = build_system(plan, prof.components, g, free(), ServePolicy(), cores_per_node=cores)
+        s = build_system(plan, prof.components, g, free(), quiet, cores_per_node=cores)
         r = simulate(s, np.array([0.0]))
         lat[cores] = float((r.done_s - r.arrival_s)[0] * 1e3)
     assert lat[2] == pytest.approx(10.0) and lat[1] == pytest.approx(20.0)
-    s = build_system(plan, prof.components, g, free(corun_slowdown=(1.0, 1.2)), ServePolicy(), cores_per_node=2)
+    s = build_system(plan, prof.components, g, free(corun_slowdown=(1.0, 1.2)), quiet, cores_per_node=2)
     r = simulate(s, np.array([0.0]))
     assert float((r.done_s - r.arrival_s)[0] * 1e3) == pytest.approx(12.0)  # side by side, 20 % slower each
+
+
+def test_a_rank_polling_after_work_takes_the_next_message_without_a_wake_up() -> None:
+    cal = free(hop=Curve.constant(0.5), hop_p90=Curve.constant(0.5))
+    arr = np.array([0.0, 0.0005])  # the second arrives while the frontend still polls after the first
+    fast = simulate(chain([0.0], cal, policy=ServePolicy(spin_us=2000.0)), arr)
+    slow = simulate(chain([0.0], cal, policy=ServePolicy(spin_us=0.0)), arr)
+    assert ((fast.done_s - fast.arrival_s) * 1e3)[1] < ((slow.done_s - slow.arrival_s) * 1e3)[1] - 0.4
 
 
 def test_window_and_timeouts() -> None:

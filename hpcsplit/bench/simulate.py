@@ -93,7 +93,9 @@ def experiment(name: str, out: Path, args: argparse.Namespace, env: dict[str, st
         b.mkdir(exist_ok=True)
         _run(py + ["stage=bench", f"+experiment={name}", f"hydra.run.dir={b}", *inputs, *where, *bench],
              b / "bench.out", env, t)
-        cores = [f"cluster.cores_per_node={args.sim_cores}"] if args.sim_cores else []
+        cores = ([f"cluster.cores_per_node={args.sim_cores}",
+                  f"cluster.cpu_threads=[{','.join(str(k) for k in range(1, args.sim_cores + 1))}]"]
+                 if args.sim_cores else [])
         _run(py + ["stage=simulate", f"+experiment={name}", f"hydra.run.dir={b}", *inputs, *where, *cores],
              b / "simulate.out", env, t)
         benches.append(_rows(b / "simulate" / "compare.csv"))

@@ -55,8 +55,7 @@ class ReplicaRouter:
             if len(reps) == 1:
                 best = reps[0]
             elif ordered is not None:
-                b = ordered.buckets
-                best = b[min(b)][0][2]
+                best = ordered.take(self._tick + 1)
             elif not sus:
                 best = min(reps, key=lambda r: (out[r], neg[r], last[r]))
             else:
@@ -64,8 +63,6 @@ class ReplicaRouter:
             out[best] += 1
             self._tick += 1
             last[best] = self._tick
-            if ordered is not None:
-                ordered.moved(best, self)
             route.append(best)
         return tuple(route)
 
@@ -108,12 +105,39 @@ class _Ordered:
             bisect.insort(lst, e)
         self.key[r], self.entry[r] = k, e
 
+    def take(self, tick: int) -> int:
+        """The pick, moved to the end of the next bucket up as used at ``tick`` (the newest: no search)."""
+        buckets = self.buckets
+        k = min(buckets)
+        lst = buckets[k]
+        e = lst.pop(0)
+        if not lst:
+            del buckets[k]
+        r = e[2]
+        k = (k[0] + 1, k[1], k[2])
+        e = (tick, e[1], r)
+        lst = buckets.get(k)
+        if lst is None:
+            buckets[k] = [e]
+        else:
+            lst.append(e)
+        self.key[r], self.entry[r] = k, e
+        return r
+
     def moved(self, r: int, rt: ReplicaRouter) -> None:
         """``r``'s outstanding count, suspicion or last use changed: put it where it now belongs."""
         buckets = self.buckets
         k = self.key[r]
         lst = buckets[k]
-        del lst[bisect.bisect_left(lst, self.entry[r])]
-        if not lst:
+        if len(lst) == 1:
             del buckets[k]
-        self._put(r, rt)
+        else:
+            del lst[bisect.bisect_left(lst, self.entry[r])]
+        k = (rt.outstanding[r], r in rt._suspect, rt._neg_size[r])
+        e = (rt._last[r], self.pos[r], r)
+        lst = buckets.get(k)
+        if lst is None:
+            buckets[k] = [e]
+        else:
+            bisect.insort(lst, e)
+        self.key[r], self.entry[r] = k, e

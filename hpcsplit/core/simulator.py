@@ -22,8 +22,8 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   calibrated hop delay of that gap (wake-up, doorbell, message), plus its bytes at the link's bandwidth (one
   node or across); the frontend admits a request the calibrated timer delay after its arrival when it was
   asleep; every rank's turn costs CPU (per message, per request) and a batch its profiled latency at that
-  batch and thread count (or slice), plus the calibrated cold extra after an idle gap, with the profile's
-  spread as jitter;
+  batch and thread count (or slice), plus the calibrated cold extra after an idle gap (the program's; for the
+  frontend's turn after a sleep, the small program's ``compute_cold``), with the profile's spread as jitter;
 - **idle policy** (``mailbox.Backoff``): after its work a rank polls back to back for ``spin_us``, taking a
   core, and sees a message in that time at once; then it sleeps, and a message waits the hop delay of its
   idle gap;
@@ -245,6 +245,8 @@ class _Sim:
                                             [p90.at(g) for g in p50.gaps_ms], strict=True)]
         self._timer = cal.frontend_timer
         self._cross = cal.cross_extra
+        self._fe_cold = cal.compute_cold
+        self.woke = [False] * n  # the scheduled turn ends a sleep (not a poll, nor the rank's own next turn)
 
     # ------------------------------------------------------------------ events and costs
     def push(self, t: float, kind: int, r: int, payload: Any = None) -> None:
@@ -374,6 +376,7 @@ class _Sim:
                     self.turn_now(r, t)
                 elif st == _IDLE or self.waiting[r]:  # asleep, or until a batch's deadline: rung
                     self.state[r] = _SCHEDULED
+                    self.woke[r] = st == _IDLE
                     self.waiting[r] = False
                     self.tv[r] += 1
                     self.push(t + self.hop_extra(t - self.last[r], cross), _TURN, r, self.tv[r])
@@ -402,6 +405,7 @@ class _Sim:
                         self.turn_now(0, t)
                     elif self.state[0] == _IDLE:  # asleep until this arrival: the timer's lag
                         self.state[0] = _SCHEDULED
+                        self.woke[0] = True
                         self.tv[0] += 1
                         lag = self._timer.at((t - self.last[0]) * 1e3) / 1e3
                         self.push(t + lag, _TURN, 0, self.tv[0])
@@ -447,7 +451,10 @@ class _Sim:
                 status[i] = STATUS_TIMEOUT
                 self.router.release(self.routes[i], failed=True)
                 self.inflight -= 1
-        work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out))
+        # the frontend's Python and torch calls after a sleep run cold, as a small program does (compute_cold)
+        cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.woke[0] else 0.0
+        self.woke[0] = False
+        work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold
         self.start_job(0, t, work, (out, finished))
 
     def fe_done(self, t: float) -> None:

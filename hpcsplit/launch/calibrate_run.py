@@ -116,6 +116,9 @@ class _Job:
         """A chain driver: the runtime's own frontend runs ``sessions`` (label, (kind, arguments))."""
         def drive(df: Dataflow) -> dict[str, Any]:
             fe = Frontend(self.comm, df, None, self.rt.idle_sleep_ms / 1e3, self.spin_s)
+            x = torch.zeros(4, 16)
+            fe.run(np.zeros(5), lambda idx: [x.index_select(0, torch.as_tensor(idx % 4))], None,
+                   self.rt.request_timeout_s, 1)  # first messages of a chain (connections, caches) are not timed
             out = {}
             for label, spec in sessions:
                 out[label] = r = self.session(fe, spec)

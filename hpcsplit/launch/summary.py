@@ -100,10 +100,23 @@ def _plan(path: Path) -> list[str]:
     if not path.is_file():
         return []
     try:
-        text = Plan.load(path).format()
+        plan = Plan.load(path)
+        text = plan.format()
     except Exception as e:  # noqa: BLE001
         return ["## Plan", "", f"`{path}` could not be read: {e}"]
-    return ["## Plan", "", f"`{path.name}`:", "", "```", text, "```"]
+    out = ["## Plan", "", f"`{path.name}`:", "", "```", text, "```"]
+    choice = plan.meta.get("choice")
+    if isinstance(choice, Mapping) and isinstance(choice.get("candidates"), list):  # allocate.rate_rps
+        out += ["", (f"Chosen by prediction at {choice.get('rate_rps')} req/s within {choice.get('slo_ms')} ms "
+                f"({choice.get('objective')}): {choice.get('why')}"), "",
+                "| candidate | devices | ranks | within SLO | goodput req/s | p50 ms | p99 ms |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in choice["candidates"]:
+            if isinstance(r, Mapping) and "within_slo" in r:
+                out.append(f"| {r.get('candidate')}{' (chosen)' if r.get('chosen') else ''} | {r.get('devices')} | "
+                           f"{r.get('ranks')} | {float(r['within_slo']):.1%} | {float(r['goodput_rps']):.2f} | "
+                           f"{float(r['p50_ms']):.2f} | {float(r['p99_ms']):.2f} |")
+    return out
 
 
 def _bench(result: Mapping[str, Any] | None, paths: RunPaths) -> list[str]:

@@ -103,3 +103,29 @@ def test_the_plan_records_why(tmp_path: Path) -> None:
     c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
     saved = json.loads(Path(c.plan.save(tmp_path / "plan.json")).read_text())
     assert saved["meta"]["choice"]["why"] == c.why and len(saved["meta"]["choice"]["candidates"]) == 3
+
+
+def test_summary_shows_the_choice_and_the_simulation_beside_the_bench(tmp_path: Path) -> None:
+    from hpcsplit.core.paths import RunPaths
+    from hpcsplit.launch.simulate import Predicted, _write_csv, compare_rows, verdict
+    from hpcsplit.launch.summary import write_summary
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
+    paths = RunPaths.from_config({}, tmp_path)
+    c.plan.save(paths.own_plan)
+    pred = [Predicted("split", "poisson", 2.0, 30, 2.1, 1.0, 2.0, 75.0, 80.0, 90.0, 0.1),
+            Predicted("split", "poisson", 16.0, 160, 16.3, 1.0, 7.0, 900.0, 1200.0, 1500.0, 0.1)]
+    measured = [{"variant": "split", "offered_qps": 2.0, "achieved_qps": 1.9, "p50_ms": 80.0, "p99_ms": 100.0,
+                 "success_rate": 1.0},
+                {"variant": "split", "offered_qps": 16.0, "achieved_qps": 9.5, "p50_ms": 1000.0, "p99_ms": 2000.0,
+                 "success_rate": 1.0}]
+    rows = compare_rows(pred, measured, "poisson")
+    assert [r["saturated"] for r in rows] == [False, True]  # 9.5 of the 16.3 the schedule offered
+    assert verdict(rows[0]) == "met" and verdict(rows[1]) == "MISSED"  # p50 -6 %, p99 -10 %; 7 vs 9.5 req/s -26 %
+    paths.simulate_dir.mkdir()
+    _write_csv(paths.simulate_dir / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
+    text = write_summary(paths, {"stages": {}}, switchboard=None, profile=None, plan=paths.own_plan,
+                         bench_result=None).read_text()
+    assert "## Simulated vs measured" in text and "| split | 2 | 80.00 | 75.00 | -6.2% |" in text
+    assert "Chosen by prediction at 2.0 req/s within 150.0 ms" in text and "| split (chosen) |" in text

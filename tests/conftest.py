@@ -7,8 +7,9 @@ Tests run as ``.venv/bin/python -m pytest`` without an activated venv: put this 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,18 @@ def switchboards(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path
         return made[key]
 
     return get
+
+
+@pytest.fixture()
+def burner() -> Iterator[None]:
+    """Two processes (one per core, at least two) spinning for the duration of the test: the export's
+    timing pass then measures other latencies than on a quiet machine."""
+    spin = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(max(2, os.cpu_count() or 2))]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)

@@ -1,6 +1,7 @@
 """Server benchmark: hpcsplit's Open Inference Protocol endpoint vs a bare echo server of the same libraries.
 
-    python -m hpcsplit.bench server [--concurrency 1,8,64] [--interval-ms 2000] [--samples 2000]
+    python -m hpcsplit.bench server [--concurrency 1,8,64] [--protocols ...] [--rounds 1] [--workers 0]
+        [--base CHECKOUT] [--server-cpus LIST --client-cpus LIST] [--interval-ms 2000] [--samples 2000]
 
 One run, figures side by side: requests/s, p50 and p99 (perf_analyzer's, client side) at each concurrency
 over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC streaming (ModelStreamInfer), for
@@ -20,6 +21,16 @@ over HTTP with JSON tensors, HTTP with the binary extension, gRPC, and gRPC stre
 ``server_bench.csv`` and ``server_bench.png`` (requests/s and p50 of every server, a panel per protocol) go to
 ``--out`` (default ``outputs/bench-server``).
 
+Issue 31 (docs/serving.md, Benchmark): ``--workers 0,1,2`` runs one hpcsplit server per
+``runtime.server_workers`` value; ``--base CHECKOUT`` serves the same model with an earlier checkout's code
+beside this one (``git worktree add --detach /tmp/base 45d97c6``); around every perf_analyzer run the bench
+reads each server's CPU time from ``/proc`` (the echo's process, hpcsplit's frontend rank and its workers)
+and the requests it answered, and prints CPU per request; ``--rounds R`` measures every level R times, the
+servers in turn, and shows medians; ``--server-cpus`` / ``--client-cpus`` pin the servers and perf_analyzer
+(``taskset -c``).  Targets: the frontend's CPU per request at most 1.5x the echo's (HTTP binary, gRPC);
+unary gRPC at 8 clients at least 2x the base's rate; with workers on spare cores, at least 0.7 of the
+better hop's rate.
+
 Target (issue 18): hpcsplit >= 70% of echo's rate on each protocol, and under 1 ms added to p50 at
 concurrency 1.  The table also gives hpcsplit's rate against the better hop's, and the verdict names the
 rows where even the hop is under 70% of the echo (a target no split server can reach on this machine).
@@ -29,27 +40,24 @@ perf_analyzer comes from ``scripts/setup-perf.sh`` (its own venv, .venv-perf).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import json
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
-from aiohttp import web
-from tritonclient.grpc import model_config_pb2 as mc
-from tritonclient.grpc import service_pb2 as pb
 
+from hpcsplit.bench.server_echo import echo_main
+from hpcsplit.bench.server_report import report
 from hpcsplit.core.plan import Plan, RankEntry
 from hpcsplit.launch.local import find_mpiexec
 from hpcsplit.switchboard.reader import Switchboard
@@ -59,190 +67,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("http-json", "http", "json", ()), ("http-binary", "http", "binary", ()), ("grpc", "grpc", "binary", ()),
     ("grpc-stream", "grpc", "binary", ("--streaming",)))  # ModelStreamInfer: one stream per client
-
-
-# ------------------------------------------------------------------------------------------- echo
-_HOP = struct.Struct("<QI")  # a hop's frame: request number, payload length; then the payload
-
-# The hop's peer: sends back whatever it reads (whole frames or not: the echo side reassembles them).
-# "spin": after a message it polls without blocking for 2 ms before it waits in recv again.
-_PEER = """
-import socket, sys, time
-s = socket.socket(fileno=int(sys.argv[1]))
-spin = sys.argv[2] == "spin"
-last = 0.0
-while True:
-    if spin and time.perf_counter() - last < 0.002:
-        try:
-            d = s.recv(1 << 20, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            continue
-    else:
-        d = s.recv(1 << 20)
-    if not d:
-        break
-    s.sendall(d)
-    last = time.perf_counter()
-"""
-
-
-class _Hop(asyncio.Protocol):
-    """The echo side of a hop: :meth:`call` sends a frame (the frames of one loop turn leave in one write)
-    and resolves when the peer has sent it back; if the peer goes, every call waiting fails."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.out: list[bytes] = []
-        self.waiting: dict[int, asyncio.Future[bytes]] = {}
-        self.n = 0
-        self.buf = bytearray()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def call(self, payload: bytes) -> asyncio.Future[bytes]:
-        if self.transport is None or self.transport.is_closing():
-            raise ConnectionError("the hop's peer is gone")
-        self.n += 1
-        fut = self.waiting[self.n] = self.loop.create_future()
-        if not self.out:
-            self.loop.call_soon(self._flush)
-        self.out += (_HOP.pack(self.n, len(payload)), payload)
-        return fut
-
-    def _flush(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(self.out))
-        self.out.clear()
-
-    def data_received(self, data: bytes) -> None:
-        b = self.buf
-        b += data
-        at = 0
-        while len(b) - at >= _HOP.size:
-            n, size = _HOP.unpack_from(b, at)
-            if len(b) - at - _HOP.size < size:
-                break
-            fut = self.waiting.pop(n, None)
-            if fut is not None and not fut.done():
-                fut.set_result(bytes(b[at + _HOP.size:at + _HOP.size + size]))
-            at += _HOP.size + size
-        del b[:at]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        for fut in self.waiting.values():
-            if not fut.done():
-                fut.set_exception(ConnectionError("the hop's peer is gone"))
-        self.waiting.clear()
-
-
-def _echo_main(port_file: str, hop: str | None = None) -> None:
-    """The echo server: canned answers for the calls perf_analyzer makes (a subprocess of the bench); with
-    ``hop`` ("wait" or "spin"), each infer goes to a peer process and back first."""
-    meta = {"name": "echo", "versions": ["1"], "platform": "echo",
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}],
-            "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 8]}]}
-    config = {"name": "echo", "max_batch_size": 64, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [8]}],
-              "output": [{"name": "output", "data_type": "TYPE_FP32", "dims": [8]}]}
-    out = np.zeros((1, 8), np.float32)
-    json_body = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
-        {"name": "output", "datatype": "FP32", "shape": [1, 8], "data": out.reshape(-1).tolist()}]}).encode()
-    head = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
-        {"name": "output", "datatype": "FP32", "shape": [1, 8],
-         "parameters": {"binary_data_size": out.nbytes}}]}).encode()
-
-    hops: list[_Hop] = []  # the hop, once the loop runs
-    mine = peer = None
-    if hop is not None:  # the peer ends when this process's end of the socketpair closes
-        mine, theirs = socket.socketpair()
-        peer = subprocess.Popen([sys.executable, "-c", _PEER, str(theirs.fileno()), hop], pass_fds=(theirs.fileno(),))
-        theirs.close()
-
-    async def infer(request: web.Request) -> web.Response:
-        await request.read()
-        if hops:
-            await hops[0].call(out.tobytes())
-        if "Inference-Header-Content-Length" in request.headers:
-            return web.Response(body=head + out.tobytes(), content_type="application/octet-stream",
-                                headers={"Inference-Header-Content-Length": str(len(head))})
-        return web.Response(body=json_body, content_type="application/json")
-
-    async def j(obj: Any) -> web.Response:
-        return web.json_response(obj)
-
-    app = web.Application()
-    app.add_routes([web.get("/v2", lambda _: j({"name": "echo", "version": "1", "extensions": []})),
-                    web.get("/v2/models/echo", lambda _: j(meta)),
-                    web.get("/v2/models/echo/config", lambda _: j(config)),
-                    web.post("/v2/models/echo/infer", infer)])
-    T = pb.ModelMetadataResponse.TensorMetadata
-    g_meta = pb.ModelMetadataResponse(name="echo", versions=["1"], platform="echo",
-                                      inputs=[T(name="x", datatype="FP32", shape=[-1, 8])],
-                                      outputs=[T(name="output", datatype="FP32", shape=[-1, 8])])
-    g_cfg = pb.ModelConfigResponse(config=mc.ModelConfig(
-        name="echo", max_batch_size=64, input=[mc.ModelInput(name="x", data_type=mc.TYPE_FP32, dims=[8])],
-        output=[mc.ModelOutput(name="output", data_type=mc.TYPE_FP32, dims=[8])]))
-    g_resp = pb.ModelInferResponse(model_name="echo", model_version="1")
-    g_resp.outputs.add(name="output", datatype="FP32", shape=[1, 8])
-    g_resp.raw_output_contents.append(out.tobytes())
-
-    async def g_infer(_: Any, __: Any) -> Any:
-        if hops:
-            await hops[0].call(out.tobytes())
-        return g_resp
-
-    async def g_stream(requests: Any, _: Any) -> Any:  # perf_analyzer matches a stream's answers by id
-        async for r in requests:
-            if hops:
-                await hops[0].call(out.tobytes())
-            resp = pb.ModelStreamInferResponse()
-            resp.infer_response.CopyFrom(g_resp)
-            resp.infer_response.id = r.id
-            yield resp
-
-    def h(fn: Any, req: Any) -> Any:
-        return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                   response_serializer=lambda m: m.SerializeToString())
-
-    async def const(x: Any) -> Any:
-        async def f(_: Any, __: Any) -> Any:
-            return x
-        return f
-
-    async def main() -> None:
-        if mine is not None:
-            loop = asyncio.get_running_loop()
-            _, proto = await loop.create_connection(lambda: _Hop(loop), sock=mine)
-            hops.append(proto)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
-            "ModelMetadata": h(await const(g_meta), pb.ModelMetadataRequest),
-            "ModelConfig": h(await const(g_cfg), pb.ModelConfigRequest),
-            "ServerMetadata": h(await const(pb.ServerMetadataResponse(name="echo", version="1")),
-                                pb.ServerMetadataRequest),
-            "ModelInfer": h(g_infer, pb.ModelInferRequest),
-            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-                g_stream, request_deserializer=pb.ModelInferRequest.FromString,
-                response_serializer=lambda m: m.SerializeToString())}),))
-        gport = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        tmp = Path(port_file + ".tmp")  # whole or not there: the bench reads it once it exists
-        tmp.write_text(json.dumps({"http_port": runner.addresses[0][1], "grpc_port": gport}))
-        tmp.replace(port_file)
-        await asyncio.Event().wait()
-
-    try:
-        asyncio.run(main())
-    finally:
-        if peer is not None:
-            peer.kill()
-            peer.wait()
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -271,15 +95,20 @@ def _env() -> dict[str, str]:
 
 
 def _start_hpcsplit(tmp: Path, sb: Path, plan: Path, n: int, runtime: dict[str, Any] | None = None,
-                    name: str = "server") -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
-    """``stage=serve runtime.mode=server`` under mpiexec on this node; returns it once its endpoint is up."""
+                    name: str = "server", code: Path | None = None,
+                    prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
+    """``stage=serve runtime.mode=server`` under mpiexec on this node; returns it once its endpoint is up.
+
+    ``code``: serve with the hpcsplit of that checkout (``PYTHONPATH``) instead of this one; ``prefix``: a
+    command the server runs under (``taskset -c 0-7``)."""
     cfg = tmp / f"{name}.cfg.json"
     cfg.write_text(json.dumps({"stage": "serve", "plan": str(plan), "switchboard": str(sb),
                                "runtime": {"mode": "server", "server_host": "127.0.0.1", "max_inflight": 256,
                                            "server_queue": 1024, **(runtime or {})}}))
     run = tmp / f"{name}-run"
     with open(tmp / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(_mpi_cmd(n, cfg, run), env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        env = _env() if code is None else dict(_env(), PYTHONPATH=str(code))
+        proc = subprocess.Popen([*prefix, *_mpi_cmd(n, cfg, run)], env=env, stdout=log, stderr=subprocess.STDOUT)
     ep = run / "endpoint.json"
     t_end = time.monotonic() + 180
     while not ep.exists():
@@ -306,9 +135,10 @@ def _frontend_ceiling(tmp: Path, sb: Path, plan: Path, n: int, samples: int) -> 
 
 
 def _perf(pa: Path, model: str, port: int, protocol: str, fmt: str, conc: int, interval_ms: int, token: str | None,
-          out: Path, extra: tuple[str, ...] = (), timeout_s: float = 120.0) -> tuple[float, float, float] | None:
+          out: Path, extra: tuple[str, ...] = (), timeout_s: float = 120.0,
+          prefix: tuple[str, ...] = ()) -> tuple[float, float, float] | None:
     """One perf_analyzer level: (infer/s, p50 ms, p99 ms), or None (said on stderr) when it measured nothing."""
-    cmd = [str(pa), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency-range", str(conc),
+    cmd = [*prefix, str(pa), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency-range", str(conc),
            "--measurement-interval", str(interval_ms), "--stability-percentage", "50", "--max-trials", "6",
            "-f", str(out), *extra]
     if protocol == "http":
@@ -339,18 +169,96 @@ def perf_analyzer() -> Path | None:
     return ROOT / setup.stdout.strip().splitlines()[-1]
 
 
+# ----------------------------------------------------------------------------------------- targets
 ECHOES = (("echo", None), ("hop-wait", "wait"), ("hop-spin", "spin"))
 
 
-def _start_echoes(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> dict[str, dict[str, int]]:
+@dataclass
+class Target:
+    """One server the bench measures: where it listens and which processes' CPU counts as its own."""
+
+    name: str
+    kind: str  # "echo", "hop", "hpcsplit", "base"
+    model: str
+    ports: dict[str, int]
+    token: str | None
+    frontend_pid: int  # the echo's process, or hpcsplit's frontend rank
+    worker_pids: tuple[int, ...] = ()
+    workers: int = 0
+
+    def served(self) -> int:
+        """Infers answered so far (the echo's ``/count``, hpcsplit's ``/stats``; batch 1: samples = requests)."""
+        if self.kind in ("echo", "hop"):
+            url, hdr = f"http://127.0.0.1:{self.ports['http_port']}/count", {}
+        else:
+            url = f"http://127.0.0.1:{self.ports['http_port']}/v2/models/{self.model}/stats"
+            hdr = {"Authorization": f"Bearer {self.token}"}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=hdr), timeout=10) as r:
+            doc = json.loads(r.read())
+        return int(doc["served"] if "served" in doc else doc["model_stats"][0]["inference_count"])
+
+
+def cpu_seconds(pids: tuple[int, ...] | list[int]) -> float:
+    """utime + stime of the processes (every thread) from ``/proc``; a process gone counts 0."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+@dataclass
+class Result:
+    rate: float
+    p50: float
+    p99: float
+    fe_us: float | None  # the frontend's (the echo's) CPU per request
+    w_us: float | None  # the protocol workers' CPU per request, together
+
+
+def measure(pa: Path, t: Target, proto: str, fmt: str, conc: int, interval_ms: int, out: Path,
+            extra: tuple[str, ...], prefix: tuple[str, ...]) -> Result | None:
+    """One perf_analyzer level against ``t``, with the server's CPU per request over the whole run."""
+    try:
+        n0, f0, w0 = t.served(), cpu_seconds([t.frontend_pid]), cpu_seconds(t.worker_pids)
+        r = _perf(pa, t.model, t.ports[f"{proto}_port"], proto, fmt, conc, interval_ms, t.token, out, extra,
+                  prefix=prefix)
+        n = t.served() - n0
+        f1, w1 = cpu_seconds([t.frontend_pid]), cpu_seconds(t.worker_pids)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"  {t.name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    if r is None or r[0] <= 0:
+        return None
+    per = (lambda d: d / n * 1e6) if n > 0 else (lambda d: None)
+    return Result(r[0], r[1], r[2], per(f1 - f0), per(w1 - w0) if t.worker_pids else None)
+
+
+def _median(rs: list[Result | None]) -> Result | None:
+    got = [r for r in rs if r is not None]
+    if not got:
+        return None
+
+    def med(xs: list[float | None]) -> float | None:
+        v = [x for x in xs if x is not None]
+        return float(np.median(v)) if v else None
+
+    return Result(*(med([getattr(r, k) for r in got]) for k in ("rate", "p50", "p99", "fe_us", "w_us")))  # type: ignore[arg-type]
+
+
+def _start_echoes(tmp: Path, procs: list[subprocess.Popen[bytes]], prefix: tuple[str, ...]) -> list[Target]:
     """Start the echo server and the two hop servers, each a process of its own (appended to ``procs``,
-    which the caller stops whatever happens); their ports."""
+    which the caller stops whatever happens)."""
     files = {}
     for name, hop in ECHOES:
         files[name] = tmp / f"{name}.json"
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpcsplit.bench", "server", "--echo-server",
+        procs.append(subprocess.Popen([*prefix, sys.executable, "-m", "hpcsplit.bench", "server", "--echo-server",
                                        str(files[name]), *(("--hop", hop) if hop else ())], env=_env()))
-    ports: dict[str, dict[str, int]] = {}
+    out = []
     t_end = time.monotonic() + 60
     for (name, f), proc in zip(files.items(), procs, strict=True):
         while not f.exists():
@@ -359,134 +267,98 @@ def _start_echoes(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> dict[str, 
             if time.monotonic() > t_end:
                 raise SystemExit(f"the {name} server did not start within 60 s")
             time.sleep(0.1)
-        ports[name] = json.loads(f.read_text())
-    return ports
+        # taskset execs the server, so its pid is the server's
+        out.append(Target(name, "echo" if name == "echo" else "hop", "echo", json.loads(f.read_text()), None,
+                          proc.pid))
+    return out
 
 
-def _row(x: Any, width: int = 10) -> str:
-    return f"{x[0]:>{width}.0f} {x[1]:>6.2f} {x[2]:>6.2f}" if x else f"{'n/a':>{width}} {'':>6} {'':>6}"
+def _hpcsplit_target(name: str, kind: str, info: dict[str, Any], token: str) -> Target:
+    return Target(name, kind, info["model"], {"http_port": info["http_port"], "grpc_port": info["grpc_port"]}, token,
+                  int(info["pid"]), tuple(info.get("worker_pids") or ()), int(info.get("workers") or 0))
+
+
+def _workers_arg(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for w in text.split(","):
+        out.append(None if w.strip() == "auto" else int(w))
+    return out
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcsplit.bench server", description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--protocols", default=",".join(m[0] for m in MODES), help="of " + ",".join(m[0] for m in MODES))
     p.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer's measurement interval")
+    p.add_argument("--rounds", type=int, default=1, help="measure every level this often, the servers in turn; "
+                                                         "the tables show the medians")
+    p.add_argument("--workers", default="0", help="hpcsplit servers to run, by runtime.server_workers "
+                                                  "(0: the protocol on the frontend's thread; auto: null)")
+    p.add_argument("--base", type=Path, default=None, help="a checkout of earlier code (git worktree add /tmp/base "
+                                                           "45d97c6) to serve beside this one, as 'base'")
+    p.add_argument("--server-cpus", default=None, help="taskset -c list for every server (e.g. 0-7)")
+    p.add_argument("--client-cpus", default=None, help="taskset -c list for perf_analyzer (e.g. 8-15)")
     p.add_argument("--samples", type=int, default=2000, help="requests of the frontend-ceiling batch run")
     p.add_argument("--out", type=Path, default=Path("outputs/bench-server"), help="where the CSV and PNG go")
     p.add_argument("--echo-server", default=None, help=argparse.SUPPRESS)  # internal: run an echo server
     p.add_argument("--hop", choices=("wait", "spin"), default=None, help=argparse.SUPPRESS)  # internal
     args = p.parse_args(argv)
     if args.echo_server:
-        _echo_main(args.echo_server, args.hop)
+        echo_main(args.echo_server, args.hop)
         return 0
+    if args.base is not None and not (args.base / "hpcsplit" / "runtime" / "server" / "serve.py").is_file():
+        p.error(f"--base {args.base}: no hpcsplit checkout there (make one: git worktree add {args.base} 45d97c6)")
+    modes = [m for m in MODES if m[0] in args.protocols.split(",")]
+    if not modes:
+        p.error(f"--protocols {args.protocols!r}: none of {[m[0] for m in MODES]}")
     pa = perf_analyzer()
     if pa is None:
         return 2
     levels = [int(c) for c in args.concurrency.split(",")]
+    srv_pre = ("taskset", "-c", args.server_cpus) if args.server_cpus else ()
+    cli_pre = ("taskset", "-c", args.client_cpus) if args.client_cpus else ()
+    table: list[tuple[str, int, dict[str, Result | None]]] = []
     with tempfile.TemporaryDirectory(prefix="hpcsplit-bench-server-") as d:
         tmp = Path(d)
         sb, plan, n = _toy(tmp)
         ceiling = _frontend_ceiling(tmp, sb, plan, n, args.samples)
-        echoes: list[subprocess.Popen[bytes]] = []
-        srv = None
+        procs: list[subprocess.Popen[bytes]] = []
+        servers: list[subprocess.Popen[bytes]] = []
         try:
-            eports = _start_echoes(tmp, echoes)
-            srv, info, token = _start_hpcsplit(tmp, sb, plan, n)
-            table: list[tuple[str, int, dict[str, Any]]] = []
-            steps = len(MODES) * len(levels)
-            for label, proto, fmt, extra in MODES:
+            targets = _start_echoes(tmp, procs, srv_pre)
+            for w in _workers_arg(args.workers):
+                name = "hpcsplit" if w == 0 else f"hpcsplit-w{'auto' if w is None else w}"
+                proc, info, token = _start_hpcsplit(tmp, sb, plan, n, {"server_workers": w}, name=name, prefix=srv_pre)
+                servers.append(proc)
+                targets.append(_hpcsplit_target(name, "hpcsplit", info, token))
+            if args.base is not None:
+                proc, info, token = _start_hpcsplit(tmp, sb, plan, n, name="base", code=args.base.resolve(),
+                                                    prefix=srv_pre)
+                servers.append(proc)
+                targets.append(_hpcsplit_target("base", "base", info, token))
+            steps = len(modes) * len(levels)
+            for label, proto, fmt, extra in modes:
                 for c in levels:
-                    k = f"{label}-{c}"
-                    got: dict[str, Any] = {}
-                    for name, _ in ECHOES:
-                        got[name] = _perf(pa, "echo", eports[name][f"{proto}_port"], proto, fmt, c, args.interval_ms,
-                                          None, tmp / f"{name}-{k}.csv", extra)
-                    got["hpcsplit"] = _perf(pa, info["model"], info[f"{proto}_port"], proto, fmt, c, args.interval_ms,
-                                            token, tmp / f"h-{k}.csv", extra)
+                    runs: dict[str, list[Result | None]] = {t.name: [] for t in targets}
+                    for rnd in range(args.rounds):
+                        for t in targets:
+                            runs[t.name].append(measure(pa, t, proto, fmt, c, args.interval_ms,
+                                                        tmp / f"{t.name}-{label}-{c}-{rnd}.csv", extra, cli_pre))
+                    got = {name: _median(rs) for name, rs in runs.items()}
                     table.append((label, c, got))
                     print(f"  [{len(table)}/{steps}] {label} at concurrency {c}: " + ", ".join(
-                        f"{name} {r[0]:.0f} req/s" if r else f"{name} n/a" for name, r in got.items()),
+                        f"{name} {r.rate:.0f} req/s" if r else f"{name} n/a" for name, r in got.items()),
                         file=sys.stderr, flush=True)
         finally:
-            if srv is not None:
-                srv.send_signal(signal.SIGTERM)
-            for ep in echoes:
-                ep.terminate()
-            for p_, grace in ([(srv, 60.0)] if srv is not None else []) + [(ep, 10.0) for ep in echoes]:
+            for s_ in servers:
+                s_.send_signal(signal.SIGTERM)
+            for e_ in procs:
+                e_.terminate()
+            for p_, grace in [(s_, 60.0) for s_ in servers] + [(e_, 10.0) for e_ in procs]:
                 try:
                     p_.wait(grace)
                 except subprocess.TimeoutExpired:
                     p_.kill()
                     p_.wait()
-    print(f"python -m hpcsplit.bench server: trivial model (one 8 -> 8 linear layer, frontend + 1 component rank), "
-          f"perf_analyzer {args.interval_ms} ms windows, {os.cpu_count()} cores")
-    print(f"MPI frontend's own ceiling (batch mode, {args.samples} requests, no protocol): "
-          + (f"{ceiling:.0f} req/s" if ceiling else "n/a"))
-    print("req/s, p50 ms, p99 ms; hop: the echo with one round trip to a do-nothing peer process (it waits / it spins)")
-    print(f"{'protocol':<12} {'conc':>4} | {'echo':>10} {'p50':>6} {'p99':>6} | {'hop wait':>10} {'p50':>6} {'p99':>6} | "
-          f"{'hop spin':>10} {'p50':>6} {'p99':>6} | {'hpcsplit':>10} {'p50':>6} {'p99':>6} | {'hop/echo':>8} "
-          f"{'rate/echo':>9} {'rate/hop':>8} {'+p50 ms':>8}")
-    verdict, unreachable = [], []
-    for label, c, got in table:
-        e, h = got["echo"], got["hpcsplit"]
-        hops = [x for x in (got["hop-wait"], got["hop-spin"]) if x]
-        best = max(hops, key=lambda x: x[0]) if hops else None
-        e = e if e and e[0] > 0 else None  # perf_analyzer measured nothing: no ratios against it
-        best = best if best and best[0] > 0 else None
-        hop_r = f"{best[0] / e[0]:>8.2f}" if e and best else f"{'n/a':>8}"
-        ratio = f"{h[0] / e[0]:>9.2f}" if e and h else f"{'n/a':>9}"
-        vs_hop = f"{h[0] / best[0]:>8.2f}" if h and best else f"{'n/a':>8}"
-        dp50 = f"{h[1] - e[1]:>8.2f}" if e and h else f"{'n/a':>8}"
-        print(f"{label:<12} {c:>4} | {_row(e)} | {_row(got['hop-wait'])} | {_row(got['hop-spin'])} | {_row(h)} | "
-              f"{hop_r} {ratio} {vs_hop} {dp50}")
-        if e and h:
-            verdict.append((label, c, h[0] / e[0], h[1] - e[1]))
-        if e and best and best[0] / e[0] < 0.7:
-            unreachable.append(f"{label} at {c}")
-    ok_rate = bool(table) and len(verdict) == len(table) and all(r >= 0.7 for _, _, r, _ in verdict)
-    low = [d for _, c, _, d in verdict if c == min(levels)]
-    print(f"verdict: rate >= 70% of echo on every row: {'yes' if ok_rate else 'no'}; added p50 at concurrency "
-          f"{min(levels)}: {', '.join(f'{d:.2f}' for d in low)} ms (target < 1 ms)")
-    print("rows where one hop to a do-nothing peer is already under 70% of the echo (out of reach of any split "
-          f"server on this machine): {', '.join(unreachable) if unreachable else 'none'}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path, png = args.out / "server_bench.csv", args.out / "server_bench.png"
-    names = [name for name, _ in ECHOES] + ["hpcsplit"]
-    with csv_path.open("w", newline="") as fh:
-        wr = csv.writer(fh)
-        wr.writerow(["protocol", "concurrency", *(f"{n}_{k}" for n in names for k in ("req_per_s", "p50_ms", "p99_ms"))])
-        for label, c, got in table:
-            wr.writerow([label, c, *(v for n in names for v in (got[n] or ("", "", "")))])
-    _plot(png, table, names, levels)
-    print(f"written: {csv_path}, {png}")
+    report(args, table, [t.name for t in targets], levels, ceiling, targets)
     return 0
-
-
-def _plot(path: Path, table: list[tuple[str, int, dict[str, Any]]], names: list[str], levels: list[int]) -> None:
-    """Requests/s (solid) and p50 (dashed, right axis) against concurrency, a panel per protocol."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [m[0] for m in MODES]
-    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 4), squeeze=False)
-    colors = dict(zip(names, ("tab:gray", "tab:green", "tab:olive", "tab:blue"), strict=False))
-    for ax, label in zip(axes[0], labels, strict=True):
-        rows = {c: got for lab, c, got in table if lab == label}
-        lat = ax.twinx()
-        for n in names:
-            xs = [c for c in levels if rows.get(c, {}).get(n)]
-            ax.plot(xs, [rows[c][n][0] for c in xs], "o-", color=colors[n], label=n)
-            lat.plot(xs, [rows[c][n][1] for c in xs], "x--", color=colors[n], alpha=0.6)
-        ax.set(title=label, xlabel="concurrency", xscale="log", xticks=levels)
-        ax.set_xticklabels([str(c) for c in levels])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
-        lat.set_ylabel("p50 ms (dashed)")
-    axes[0][0].set_ylabel("req/s (solid)")
-    axes[0][0].legend(loc="upper left")
-    fig.suptitle("python -m hpcsplit.bench server: echo, one hop, hpcsplit")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -160,7 +160,7 @@ def _serve_watch(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo) -> 
     rt = RuntimeSettings.from_config(cfg)
     if rt.mode != "server":
         return None
-    return ServeWatch(RunPaths.from_config(cfg, run_dir), echo, rt.server_status_s).start()
+    return ServeWatch(RunPaths.from_config(cfg, run_dir), echo, rt.server_status_s, tls_cert=rt.tls_cert).start()
 
 
 def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo) -> Any:

@@ -4,14 +4,18 @@ reach the server, then a status line every ``runtime.server_status_s``.
 Runs as a daemon thread beside the launcher's own wait (local mpiexec or the SLURM job), which owns the
 job: Ctrl-C there stops it (SIGTERM to mpiexec, or ``scancel``), and the server drains and exits 0
 (``[Note: server mode]`` in :mod:`hpcsplit.runtime.server.serve`).  Reads the run folder and asks the
-server's ``/metrics`` with the token: no torch, no aiohttp.
+server's ``/metrics`` with the token: no torch, no aiohttp.  Over TLS (``runtime.tls_cert``) the token
+goes only to a server that presents that very certificate (pinned: the node's address need not be a
+name in it, and no CA store is needed).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -21,7 +25,7 @@ from typing import Any
 
 from hpcsplit.core.paths import RunPaths
 
-__all__ = ["ServeWatch", "connection_lines", "parse_metrics"]
+__all__ = ["ServeWatch", "connection_lines", "fetch_pinned", "parse_metrics"]
 
 
 def connection_lines(ep: dict[str, Any], login_host: str | None = None) -> list[str]:
@@ -38,11 +42,14 @@ def connection_lines(ep: dict[str, Any], login_host: str | None = None) -> list[
     host, hp, gp = ep["host"], ep["http_port"], ep["grpc_port"]
     login = login_host or socket.getfqdn()
     tok = ep.get("token_file")
+    tls = ep.get("tls") is True
+    scheme = "https" if tls else "http"
     return [
-        f"[hpcsplit] server ready: model {ep['model']!r} at http://{host}:{hp} (HTTP, v2 protocol) and {host}:{gp} (gRPC)",
+        (f"[hpcsplit] server ready: model {ep['model']!r} at {scheme}://{host}:{hp} (HTTP, v2 protocol) and {host}:{gp} "
+        f"(gRPC{', TLS' if tls else ''})"),
         f"[hpcsplit] token: {tok} (send 'Authorization: Bearer <token>')" if tok else "[hpcsplit] no token required",
         (f"[hpcsplit] from your machine: ssh -N -L {hp}:{host}:{hp} -L {gp}:{host}:{gp} {login}   "
-         f"(then http://localhost:{hp})"),
+         f"(then {scheme}://localhost:{hp})"),
     ]
 
 
@@ -87,8 +94,10 @@ def _quantile(buckets: dict[float, float], q: float) -> float | None:
 class ServeWatch:
     """The thread (see the module docstring); :meth:`stop` ends it."""
 
-    def __init__(self, paths: RunPaths, echo: Callable[[str], None], status_s: float, progress_s: float = 10.0) -> None:
+    def __init__(self, paths: RunPaths, echo: Callable[[str], None], status_s: float, progress_s: float = 10.0,
+                 tls_cert: str | None = None) -> None:
         self.paths, self.echo = paths, echo
+        self.tls_cert = tls_cert
         self.status_s, self.progress_s = status_s, progress_s
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hpcsplit-serve-watch", daemon=True)
@@ -145,21 +154,55 @@ class ServeWatch:
                 tok = Path(self.paths.server_token).read_text().strip()
             except OSError:
                 tok = None
-        url = f"http://{self.endpoint['host']}:{self.endpoint['http_port']}/metrics"
+        host, port = self.endpoint["host"], int(self.endpoint["http_port"])
+        tls = self.tls_cert is not None or self.endpoint.get("tls") is True
+        url = f"{'https' if tls else 'http'}://{host}:{port}/metrics"
         prev: dict[str, Any] | None = None
         while not self._stop.wait(self.status_s):
             if not Path(self.paths.server_endpoint).exists():  # the server removes it when it stops
                 self.echo("[hpcsplit] server stopped (endpoint.json removed); waiting for the job to end")
                 return
             try:
-                req = urllib.request.Request(url, headers={"Authorization": f"Bearer {tok}"} if tok else {})
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    m = parse_metrics(r.read().decode())
-            except (OSError, ValueError) as e:
+                if tls:
+                    text = fetch_pinned(host, port, "/metrics", tok, self.tls_cert)
+                else:
+                    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {tok}"} if tok else {})
+                    with urllib.request.urlopen(req, timeout=5) as r:
+                        text = r.read()
+                m = parse_metrics(text.decode())
+            except (OSError, ValueError, ssl.SSLError, http.client.HTTPException) as e:
                 self.echo(f"[hpcsplit] server status: no answer from {url} ({e})")
                 continue
             self.echo(status_line(m, prev, self.status_s))
             prev = m
+
+
+def fetch_pinned(host: str, port: int, path: str, token: str | None, cert_file: str | None,
+                 timeout_s: float = 5.0) -> bytes:
+    """GET ``path`` over TLS from a server that presents the first certificate of ``cert_file`` (PEM), and
+    only then send the token; raises OSError (or ssl.SSLError) otherwise."""
+    if not cert_file:
+        raise OSError("the server uses TLS and runtime.tls_cert is not known here")
+    pem = Path(cert_file).read_text()
+    end = "-----END CERTIFICATE-----"
+    if end not in pem:
+        raise ValueError(f"{cert_file} holds no PEM certificate")
+    want = ssl.PEM_cert_to_DER_cert(pem[pem.index("-----BEGIN CERTIFICATE-----"):pem.index(end) + len(end)])
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # the pin below is the check: this exact certificate, nothing else
+    conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=ctx)
+    try:
+        conn.connect()
+        if not isinstance(conn.sock, ssl.SSLSocket) or conn.sock.getpeercert(binary_form=True) != want:
+            raise ssl.SSLError(f"the server at {host}:{port} presents another certificate than {cert_file}")
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise OSError(f"HTTP {r.status}")
+        return r.read()
+    finally:
+        conn.close()
 
 
 def status_line(m: dict[str, Any], prev: dict[str, Any] | None, interval_s: float) -> str:

@@ -19,6 +19,7 @@ from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import read_profile
 from hpcsplit.switchboard.layout import LAYOUT_FILE
+from hpcsplit.switchboard.picture import PICTURE_PNG, PICTURE_SVG
 
 __all__ = ["plots_of", "write_summary"]
 
@@ -36,7 +37,7 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _components(sb_dir: Path) -> list[str]:
+def _components(sb_dir: Path, run_dir: Path) -> list[str]:
     try:
         layout = json.loads((sb_dir / LAYOUT_FILE).read_text())  # read as JSON: no torch here
     except (OSError, ValueError):
@@ -53,6 +54,10 @@ def _components(sb_dir: Path) -> list[str]:
         ins = ", ".join(t.get("name", "?") for t in c.get("inputs", []))
         outs = ", ".join(t.get("name", "?") for t in c.get("outputs", []))
         out.append(f"| {c.get('name')} | {_human(float(c.get('param_bytes', 0)))} | {ins} | {outs} |")
+    if (sb_dir / PICTURE_PNG).is_file():  # the export's picture of the split (a side file of the switchboard)
+        png, svg = (os.path.relpath(sb_dir / n, run_dir) for n in (PICTURE_PNG, PICTURE_SVG))
+        out += ["", f"![the split: components, the bytes each edge carries, the region decisions]({png})",
+                "", f"(also [{svg}]({svg}))"]
     ver = layout.get("verification") or {}
     if ver:
         out += [
@@ -229,7 +234,7 @@ def write_summary(
     lines.append("")
     for section in (
         _stages(manifest),
-        _components(switchboard) if switchboard else [],
+        _components(switchboard, run_dir) if switchboard else [],
         _profile(profile) if profile else [],
         _plan(plan) if plan else [],
         _bench(bench_result, paths),

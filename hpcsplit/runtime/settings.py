@@ -128,10 +128,13 @@ class RuntimeSettings:
     server_drain_s: float
     server_status_s: float
     server_model: Literal["split", "whole"]
+    server_workers: int | None  # protocol worker processes (None: one per spare core of the frontend's node)
+    tls_cert: str | None  # server mode: PEM certificate chain (with tls_key: HTTPS and gRPC over TLS)
+    tls_key: str | None
 
     _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
                            "doorbell_network", "chunk_rows", "max_failures", "spin_us",
-                           "server_host"})
+                           "server_host", "server_workers", "tls_cert", "tls_key"})
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RuntimeSettings:
@@ -210,7 +213,13 @@ class RuntimeSettings:
             server_drain_s=c.number("server_drain_s", lo=0),
             server_status_s=c.number("server_status_s", lo=0, lo_open=True),
             server_model=c.choice("server_model", ("split", "whole")),
+            server_workers=c.integer("server_workers", lo=0, hi=256, none=True),
+            tls_cert=c.string("tls_cert", none=True),
+            tls_key=c.string("tls_key", none=True),
         )
+        if (out.tls_cert is None) != (out.tls_key is None):
+            c.problem(f"runtime.tls_cert = {out.tls_cert!r} and runtime.tls_key = {out.tls_key!r}: give both (the "
+                      "server's PEM certificate chain and its private key) or neither (no TLS)")
         c.done()
         return out
 

@@ -173,6 +173,11 @@ def _guard_leaf(n: ast.expr) -> bool:
             and n.func.attr in methods):
         return False
     v = n.func.value
+    # L['name'], and an input inside a dict or tuple argument: L['query']['mask'], L['pair'][0]
+    while isinstance(v, ast.Subscript) and isinstance(v.value, ast.Subscript) and (
+            _int(v.slice) or isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, str)
+            and bool(_IDENT.fullmatch(v.slice.value))):
+        v = v.value
     return (
         isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and v.value.id == "L"
         and isinstance(v.slice, ast.Constant) and isinstance(v.slice.value, str)
@@ -185,8 +190,8 @@ def check_guard(text: str) -> bool:
 
     Examples
     --------
-    >>> check_guard("L['x'].size()[0] == L['y'].size()[0]")
-    True
+    >>> check_guard("L['x'].size()[0] == L['y'].size()[0]"), check_guard("L['q']['mask'].size()[0] == L['q'][0].size()[1]")
+    (True, True)
     >>> check_guard("__import__('os').system('id') or True")
     False
     """

@@ -19,8 +19,10 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+import os
 import re
 import time
+import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -112,12 +114,40 @@ def _output_names(out_spec: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback outside torch (where the model's own code raised)."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]
+    return frames[-1] if frames else None
+
+
+def _in_generate(e: BaseException) -> traceback.FrameSummary | None:
+    """The frame of a generate loop (transformers' ``generate`` or a ``generate`` of the model's own) the
+    error came from, if any."""
+    for f in traceback.extract_tb(e.__traceback__):
+        if f.name == "generate" or f"{os.sep}generation{os.sep}" in f.filename and "transformers" in f.filename:
+            return f
+    return None
+
+
+def _where(f: traceback.FrameSummary | None) -> str:
+    return f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()[:120]})" if f is not None else ""
+
+
 def _explain(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     low = text.lower()
-    if "data-dependent" in low or "datadependent" in low or "guardondatadependent" in low:
+    gen = _in_generate(e)
+    if gen is not None:
         hint = (
-            "the model branches on tensor values (data-dependent control flow); "
+            f"forward runs a generate loop{_where(gen)}: one forward per new token until a stop token, a loop "
+            "whose length depends on the tensors it makes; export one forward step instead (the model itself: "
+            "model=hf with its ...ForCausalLM / ...ForConditionalGeneration class gives the logits of one step) "
+            "and run the decoding loop outside hpcsplit, one request per step"
+        )
+    elif "data-dependent" in low or "datadependent" in low or "guardondatadependent" in low:
+        hint = (
+            f"the model branches on tensor values (data-dependent control flow){_where(_user_frame(e))}; "
             "move the branch out of forward, or use torch.cond / torch.where"
         )
     elif "constraint" in low or "specializ" in low or "batch" in low and "dim" in low:
@@ -131,6 +161,52 @@ def _explain(e: BaseException) -> str:
         hint = "make forward exportable with torch.export.export(model, args, strict=False) first"
     first = text.strip().splitlines()[0][:400] if text.strip() else type(e).__name__
     return f"{first}\n  what to change: {hint}"
+
+
+def _written_placeholders(graph: fx.Graph) -> set[str]:
+    """The placeholders an in-place operator writes into (``add_``, ``copy_``, ``mul_`` on a buffer or an
+    input, or on a view of one): export's graph keeps such operators as they are."""
+    root: dict[str, str] = {}
+    written: set[str] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            root[n.name] = n.name
+            continue
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None:
+            continue
+        for a, arg in zip(schema.arguments, n.args, strict=False):
+            if a.alias_info is None or not isinstance(arg, fx.Node) or arg.name not in root:
+                continue
+            if a.alias_info.is_write:
+                written.add(root[arg.name])
+            root[n.name] = root[arg.name]  # a view or an in-place result: the same storage
+    return written
+
+
+def _refuse_mutations(ep: Any, model_name: str) -> None:
+    """A forward that updates a buffer or an input in place is refused (see docs/export.md "What cannot be
+    exported"): the switchboard's programs are pure functions of their inputs, so each component would
+    update its own copy, and a request would see the updates of the requests before it."""
+    sig = ep.graph_signature
+    kind = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
+    written = _written_placeholders(ep.graph)
+    buffers = sorted(set(sig.buffers_to_mutate.values()) | {
+        str(kind[n].target) for n in written if n in kind and kind[n].kind.name == "BUFFER"})
+    inputs = sorted(set(sig.user_inputs_to_mutate.values()) | {
+        n for n in written if n in kind and kind[n].kind.name == "USER_INPUT"})
+    if buffers:
+        raise CaptureError(
+            f"{model_name}.forward updates buffer(s) {', '.join(buffers)} in place (an in-place buffer "
+            "update: running statistics, a step counter, a cache); needed: a forward that only reads its "
+            "buffers; what to change: compute the value and return it, or update the buffer outside forward "
+            "(e.g. in a training step), then export the model in eval mode"
+        )
+    if inputs:
+        raise CaptureError(
+            f"{model_name}.forward writes into its input(s) {', '.join(inputs)} in place; needed: inputs that "
+            "forward only reads; what to change: work on a copy (x = x.clone()) or use the out-of-place op"
+        )
 
 
 def _bind(model: torch.nn.Module, args: Any, kwargs: Any) -> dict[str, Any] | None:
@@ -218,6 +294,7 @@ def capture(
             )
     except Exception as e:
         raise CaptureError(f"torch.export could not trace {type(model).__name__}: {_explain(e)}") from e
+    _refuse_mutations(ep, type(model).__name__)
     gm = ep.module()
     flat = tuple(pytree.tree_flatten((args, kwargs))[0])
     names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")

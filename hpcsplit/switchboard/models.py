@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ __all__ = [
     "build_hf",
     "build_toy",
     "example_inputs",
+    "hf_default_inputs",
     "hf_example_inputs",
     "hf_text_length",
     "import_target",
@@ -356,8 +358,12 @@ def build_factory(
 # Example inputs of a transformers model, by forward parameter: which sub-config to read them from.
 HF_INPUTS = (
     "pixel_values", "input_ids", "attention_mask", "token_type_ids", "position_ids",
-    "pixel_mask", "input_features", "is_longer",
+    "pixel_mask", "input_features", "is_longer", "input_values", "decoder_input_ids", "decoder_attention_mask",
 )
+# What model.inputs is when not given (hf_default_inputs): the forward parameters among these, in the
+# forward's order; the masks join the input they mask.
+HF_PRIMARY_INPUTS = ("input_ids", "pixel_values", "input_features", "input_values", "decoder_input_ids")
+WAVE_FRAMES = 50  # input_values of a Wav2Vec2-like encoder: this many frames of its convolutions (1 s at 16 kHz)
 
 
 class HFTensors(nn.Module):
@@ -445,6 +451,8 @@ def hf_example_inputs(
     vision = _sub(config, "vision_config")
     audio = _sub(config, "audio_config")
     length = seq_len or min(int(getattr(text, "max_position_embeddings", None) or 16), MAX_TEXT_LEN)
+    # the decoder's length: its own context where the config has one (Whisper's max_target_positions)
+    target = min(int(getattr(text, "max_target_positions", None) or length), length)
     size = getattr(vision, "image_size", 32)
     hw = (size, size) if isinstance(size, int) else tuple(size)
     out: dict[str, torch.Tensor] = {}
@@ -453,10 +461,16 @@ def hf_example_inputs(
             out[name] = torch.randn(batch_size, getattr(vision, "num_channels", 3), *hw, generator=gen)
         elif name == "pixel_mask":
             out[name] = torch.ones(batch_size, *hw, dtype=torch.long)
-        elif name == "input_ids":
+        elif name in ("input_ids", "decoder_input_ids"):
             vocab = int(getattr(text, "vocab_size", 128))
             low = 4 if vocab > 8 else 0
-            out[name] = torch.randint(low, vocab, (batch_size, length), generator=gen)
+            n = target if name == "decoder_input_ids" else length
+            out[name] = torch.randint(low, vocab, (batch_size, n), generator=gen)
+        elif name == "decoder_attention_mask":
+            out[name] = torch.ones(batch_size, target, dtype=torch.long)
+        elif name == "input_values":  # raw audio: WAVE_FRAMES frames of the feature encoder's strides
+            hop = math.prod(int(k) for k in getattr(audio, "conv_stride", (320,)))
+            out[name] = torch.randn(batch_size, hop * WAVE_FRAMES, generator=gen)
         elif name == "attention_mask":
             out[name] = torch.ones(batch_size, length, dtype=torch.long)
         elif name == "token_type_ids":
@@ -485,6 +499,26 @@ def _subclass(obj: Any, base: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, base)
 
 
+def hf_default_inputs(cls: Any, config: Any) -> list[str]:
+    """``model.inputs`` when not given: the forward parameters of ``cls`` among :data:`HF_PRIMARY_INPUTS`
+    (``decoder_input_ids`` only for an encoder-decoder config), in the forward's order, with
+    ``attention_mask`` when ``input_ids`` is one and ``pixel_mask`` when ``pixel_values`` is.
+
+    >>> from transformers import CLIPConfig, CLIPModel, T5Config, T5Model
+    >>> hf_default_inputs(CLIPModel, CLIPConfig()), hf_default_inputs(T5Model, T5Config())
+    (['input_ids', 'pixel_values', 'attention_mask'], ['input_ids', 'attention_mask', 'decoder_input_ids'])
+    """
+    params = _forward_params(cls)
+    chosen = {n for n in params if n in HF_PRIMARY_INPUTS}
+    if not getattr(config, "is_encoder_decoder", False):
+        chosen.discard("decoder_input_ids")
+    if "input_ids" in chosen:
+        chosen.add("attention_mask")
+    if "pixel_values" in chosen:
+        chosen.add("pixel_mask")
+    return [n for n in params if n in chosen]
+
+
 def _forward_params(cls: Any) -> list[str]:
     skip = {"self", "kwargs", "args", "return_loss", "return_dict", "output_attentions", "output_hidden_states",
             "interpolate_pos_encoding", "inputs_embeds", "labels", "use_cache", "past_key_values"}
@@ -497,7 +531,7 @@ def build_hf(
     *,
     config: Mapping[str, Any] | None = None,
     checkpoint: str | None = None,
-    inputs: Sequence[str],
+    inputs: Sequence[str] | None = None,
     outputs: Sequence[str] | None = None,
     batch_size: int = 2,
     seq_len: int | None = None,
@@ -515,8 +549,8 @@ def build_hf(
     checkpoint
         A local directory for ``cls.from_pretrained`` (``local_files_only``; no remote code).
     inputs, outputs
-        Forward parameters to feed (in this order) and output fields to return (null: every tensor
-        output).
+        Forward parameters to feed (in this order; null: :func:`hf_default_inputs`, from the forward's
+        signature and the config) and output fields to return (null: every tensor output).
     batch_size, seq_len, seed
         The example batch, the text length (null: :func:`hf_text_length`, the model's context), and the seed
         of the weights and inputs.
@@ -537,10 +571,10 @@ def build_hf(
             + (f"; close: {', '.join(near)}" if near else " (e.g. CLIPModel, SiglipModel, ClapModel)")
         )
     params = _forward_params(model_cls)
-    unknown = [n for n in inputs if n not in params]
-    if unknown or not inputs:
+    unknown = [n for n in inputs or () if n not in params]
+    if unknown or (inputs is not None and not inputs):
         raise ConfigError(
-            f"found model.inputs={list(inputs)!r}" + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+            f"found model.inputs={list(inputs or ())!r}" + (f" ({', '.join(unknown)} unknown)" if unknown else "")
             + f"; {cls}.forward takes {', '.join(params)}"
         )
     config = dict(config or {})
@@ -564,6 +598,17 @@ def build_hf(
                 f"model.config={config!r}: {config_cls.__name__} / {cls} refused it: {type(e).__name__}: {e}"
             ) from e
     model.eval()
+    # export-friendly: no key/value cache (it exists for generate loops, which hpcsplit refuses; one forward
+    # computes everything, and a cache object is not a tensor output)
+    if getattr(model.config, "use_cache", None):
+        model.config.use_cache = False
+    if inputs is None:
+        inputs = hf_default_inputs(model_cls, model.config)
+        if not inputs:
+            raise ConfigError(
+                f"found no model.inputs, and {cls}.forward takes none that hpcsplit makes by itself "
+                f"({', '.join(HF_PRIMARY_INPUTS)}); it takes {', '.join(params)}: set model.inputs=[...]"
+            )
     example = hf_example_inputs(model.config, inputs, batch_size, seq_len=seq_len or hf_text_length(model), seed=seed)
     try:
         with torch.no_grad():

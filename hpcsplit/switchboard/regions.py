@@ -45,9 +45,12 @@ nodes with no data (guards, asserts, ``get_attr``) must be left out by the calle
    regions lie before them (stem, head, ...); a branch absorbed into the exit side counts as after
    its region. This keeps the component graph acyclic.
 7. ``stages`` / ``max_stage_ms`` cut components further (``stages``: counts in proportion to
-   ``work``), at topological positions near equal-``ms`` targets where the fewest activation bytes
-   cross; positions whose distance to the target differs by less than ``tie_margin`` of a stage are
-   tied and decided by ``work`` (so timing noise cannot move a cut between them).
+   ``work``), at the input towers inside them first ([Note: input towers] in
+   :mod:`hpcsplit.switchboard.cuts`: an encoder beside its decoder), then at topological positions near
+   equal-``ms`` targets where the fewest activation bytes cross; positions whose distance to the target
+   differs by less than ``tie_margin`` of a stage are tied and decided by module depth (between blocks
+   before inside one), then ``work`` (so timing noise cannot move a cut between them). With a
+   ``runtime`` a component is cut only when its slowest stage beats it whole ([Note: stages pay]).
 Steps 1-6 see only ``work``, ``bytes`` and the graph: the same graph gives the same components on
 any machine and load. All steps are linear in the graph size, except nested-region searches
 (linear per nesting level).
@@ -67,6 +70,9 @@ from typing import Any
 import networkx as nx
 
 from hpcsplit.errors import PartitionError
+from hpcsplit.switchboard.cuts import StageCut, stage_counts, stage_time, tower_exits, tower_segments
+from hpcsplit.switchboard.cuts import subtree_sums as _tree_subtree_sums
+from hpcsplit.switchboard.cuts import tree_intervals as _intervals
 
 __all__ = [
     "Component",
@@ -187,11 +193,13 @@ class Component:
 
 @dataclass(frozen=True, slots=True)
 class Partition:
-    """The result of :func:`decide`: components, one decision per candidate region, dead nodes."""
+    """The result of :func:`decide`: components, one decision per candidate region, dead nodes, and
+    one :class:`StageCut` per component that ``stages``/``max_stage_ms`` asked to cut."""
 
     components: list[Component]
     decisions: list[Decision] = field(default_factory=list)
     dead: tuple[Hashable, ...] = ()
+    stage_cuts: list[StageCut] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -211,47 +219,6 @@ def _with_terminals(g: nx.DiGraph) -> nx.DiGraph:
     h.add_edges_from((_SOURCE, v) for v, d in g.in_degree() if d == 0)
     h.add_edges_from((v, _SINK) for v, d in g.out_degree() if d == 0)
     return h
-
-
-def _tree_subtree_sums(idom: dict[Hashable, Hashable], root: Hashable, w: dict) -> dict:
-    """Sum of ``w`` over each node's subtree in the tree given by ``idom`` (iterative)."""
-    children: dict[Hashable, list[Hashable]] = {}
-    for v, p in idom.items():
-        if v != root:
-            children.setdefault(p, []).append(v)
-    order = [root]
-    i = 0
-    while i < len(order):
-        order.extend(children.get(order[i], ()))
-        i += 1
-    sums = {v: w.get(v, 0.0) for v in order}
-    for v in reversed(order):
-        if v != root:
-            sums[idom[v]] += sums[v]
-    return sums
-
-
-def _intervals(idom: dict[Hashable, Hashable], root: Hashable) -> tuple[dict, dict]:
-    """Entry and exit times of a DFS of the tree given by ``idom`` (iterative)."""
-    children: dict[Hashable, list[Hashable]] = {}
-    for v, p in idom.items():
-        if v != root:
-            children.setdefault(p, []).append(v)
-    tin: dict[Hashable, int] = {}
-    tout: dict[Hashable, int] = {}
-    clock = 0
-    stack: list[tuple[Hashable, bool]] = [(root, False)]
-    while stack:
-        v, done = stack.pop()
-        if done:
-            tout[v] = clock
-            clock += 1
-            continue
-        tin[v] = clock
-        clock += 1
-        stack.append((v, True))
-        stack.extend((c, False) for c in children.get(v, ()))
-    return tin, tout
 
 
 def _interior(h: nx.DiGraph, a: Hashable, b: Hashable) -> list[Hashable]:
@@ -820,6 +787,10 @@ def _cut(nodes: list[Hashable], n: int, p: _Prepared, slack: float, margin: floa
     for i in range(m + 1):
         run += diff[i]
         crossing[i] = run
+    # depth[i]: how deep in the module tree a cut before index i lies (the common prefix of the module
+    # paths on its two sides): among tied positions, a cut between blocks beats one inside a block
+    paths = [str(p.g.nodes[v].get("module", "") or "").split(".") for v in nodes]
+    depth = [0] + [_common(paths[i - 1], paths[i]) for i in range(1, m)] + [0]
     total = prefix[-1]
     step = total / n if total > 0 else 0.0
     key = prefix if step > 0 else list(range(m + 1))  # no work: balance node counts
@@ -844,11 +815,18 @@ def _cut(nodes: list[Hashable], n: int, p: _Prepared, slack: float, margin: floa
         cheap = [i for i in window if crossing[i] == cheapest]
         nearest = min(abs(key[i] - target) for i in cheap)
         tied = [i for i in cheap if abs(key[i] - target) <= nearest + margin * unit]
-        best = min(tied, key=lambda i: (abs(wkey[i] - wtarget), i))
+        best = min(tied, key=lambda i: (depth[i], abs(wkey[i] - wtarget), i))
         cuts.append(best)
         lo_bound = best + 1
     bounds = [0, *cuts, m]
     return [nodes[x:y] for x, y in itertools.pairwise(bounds) if y > x]
+
+
+def _common(a: list[str], b: list[str]) -> int:
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k] and a[k]:
+        k += 1
+    return k
 
 
 # --------------------------------------------------------------------------- naming
@@ -1004,9 +982,12 @@ def decide(
     # sequential cuts
     works = [sum(p.ms[v] for v in nodes) for nodes, _ in groups]
     flops = [sum(p.work[v] for v in nodes) for nodes, _ in groups]  # stage counts: deterministic
-    whole_of: dict[int, list[Hashable]] = {}  # a stage piece -> the component it was cut from (its name)
+    whole_of: dict[int, list[Hashable]] = {}  # a stage piece -> the nodes it is named after
+    cut_rows: list[tuple[list[int], int, int, tuple[str, ...], float, float, str]] = []
     if stages is not None or max_stage_ms is not None:
         fmax = max(flops) if flops else 0.0
+        inputs = {v for v in g if p.is_input(v)}
+        exits = tower_exits(g, p.ipdom, _SINK, inputs, p.work, fraction * p.total)
         cut_groups: list[tuple[list[Hashable], str]] = []
         for (nodes, kind), w, f in zip(groups, works, flops, strict=True):
             if stages is not None:
@@ -1014,10 +995,27 @@ def decide(
             else:
                 assert max_stage_ms is not None
                 n = max(1, math.ceil(w / max_stage_ms))
-            pieces = _cut(nodes, n, p, cut_slack, tie_margin)
+            pieces, named, towers = _stage_pieces(nodes, n, p, exits, cut_slack, tie_margin)
+            slowest, whole_ms, reason = 0.0, 0.0, "one stage asked" if n == 1 else "cut"
+            if runtime is not None and len(pieces) > 1:
+                whole_ms = f * runtime.ms_per_work
+                slowest = max(stage_time(pc, g, p.work, inputs, runtime.ms_per_work, runtime.ms_per_byte,
+                                         runtime.hop_ms) for pc in pieces)
+                if slowest < whole_ms:
+                    reason = "slowest stage < whole"
+                elif force:
+                    reason = "forced (partition.force=true)"
+                else:
+                    reason = (f"slowest stage {slowest:.3g} ms >= whole {whole_ms:.3g} ms "
+                              "(partition.force=true cuts anyway)")
+                    pieces, named = [nodes], [nodes]
+            if n > 1:
+                start = len(cut_groups)
+                cut_rows.append((list(range(start, start + len(pieces))), n, len(pieces),
+                                 tuple(str(x) for x in towers), slowest, whole_ms, reason))
             cut_groups.extend((pc, "stage" if len(pieces) > 1 else kind) for pc in pieces)
             if len(pieces) > 1:
-                whole_of.update((id(pc), nodes) for pc in pieces)
+                whole_of.update((id(pc), nm) for pc, nm in zip(pieces, named, strict=True))
         groups = cut_groups
     # order the component graph topologically (ties: earliest node)
     comp_of = {v: i for i, (nodes, _) in enumerate(groups) for v in nodes}
@@ -1046,11 +1044,15 @@ def decide(
                 base = "branch" if kind == "branch" else "stage"
         names.append(base)
     # names shared by several components (the sub-towers of one tower): one path segment deeper
-    for nm in {n for n in names if names.count(n) > 1 and n not in ("stem", "head", "branch", "stage")}:
-        idx = [k for k, n in enumerate(names) if n == nm and groups[topo[k]][1] != "stage"]
-        subs = [_name(groups[topo[k]][0], p, (*root, nm)) for k in idx]
+    # (stage pieces of one component keep its name and are numbered; pieces of different towers go deeper too)
+    for nm in sorted({n for n in names if names.count(n) > 1 and n not in ("stem", "head", "branch", "stage")}):
+        idx = [k for k, n in enumerate(names) if n == nm
+               and (groups[topo[k]][1] != "stage" or whole_of.get(id(groups[topo[k]][0])) is not None
+                    and len({id(whole_of.get(id(groups[topo[j]][0]))) for j, m in enumerate(names) if m == nm}) > 1)]
+        basis = [whole_of.get(id(groups[topo[k]][0]), groups[topo[k]][0]) for k in idx]
+        subs = [_name(b, p, (*root, nm)) for b in basis]
         for k, sub in zip(idx, subs, strict=True):
-            if sub and subs.count(sub) == 1:
+            if sub and len({id(b) for b, s2 in zip(basis, subs, strict=True) if s2 == sub}) == 1:
                 names[k] = sub if sub.startswith(f"{nm}_") else f"{nm}_{sub}"
     names = [_sanitize(n) for n in names]
     counts: dict[str, int] = {}
@@ -1070,7 +1072,30 @@ def decide(
         )
         for nm, i in zip(final, topo, strict=True)
     ]
-    return Partition(components=comps, decisions=decisions, dead=p.dead)
+    name_of = {i: nm for nm, i in zip(final, topo, strict=True)}
+    cuts = [StageCut(", ".join(name_of[i] for i in idx), n, made, towers, slowest, whole_ms, reason)
+            for idx, n, made, towers, slowest, whole_ms, reason in cut_rows]
+    return Partition(components=comps, decisions=decisions, dead=p.dead, stage_cuts=cuts)
+
+
+def _stage_pieces(nodes: list[Hashable], n: int, p: _Prepared, exits: list[Hashable], slack: float, margin: float
+                  ) -> tuple[list[list[Hashable]], list[list[Hashable]], tuple[Hashable, ...]]:
+    """``nodes`` cut into ``n`` stages: at the input towers inside them first ([Note: input towers] in
+    :mod:`hpcsplit.switchboard.cuts`), each tower and the rest balanced within; the pieces, the nodes each
+    is named after (its tower, or ``nodes``) and the tower exits cut at."""
+    if n <= 1:
+        return [nodes], [nodes], ()
+    segs, used = tower_segments(nodes, exits, p.ipdom, _SINK, p.pos, p.work, n - 1)
+    counts = stage_counts(n, [sum(p.work[v] for v in s) for s in segs]) if used else None
+    if counts is None:
+        pieces = _cut(nodes, n, p, slack, margin)
+        return pieces, [nodes] * len(pieces), ()
+    pieces, named = [], []
+    for s, c in zip(segs, counts, strict=True):
+        cut = _cut(s, c, p, slack, margin)
+        pieces += cut
+        named += [s] * len(cut)
+    return pieces, named, tuple(used)
 
 
 def partition(g: nx.DiGraph, **options: Any) -> list[Component]:

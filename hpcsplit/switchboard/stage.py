@@ -177,7 +177,7 @@ class HFModelSettings:
     cls: str
     config: dict[str, Any]
     checkpoint: str | None
-    inputs: tuple[str, ...]
+    inputs: tuple[str, ...] | None
     outputs: tuple[str, ...] | None
     seq_len: int | None
     batch_size: int
@@ -195,7 +195,7 @@ class HFModelSettings:
             cls=str(model_cls),
             config=c.mapping("config"),
             checkpoint=c.string("checkpoint", none=True),
-            inputs=_names(c, "inputs", none=False) or (),
+            inputs=_names(c, "inputs", none=True),
             outputs=_names(c, "outputs", none=True),
             seq_len=c.integer("seq_len", lo=1, none=True),
             batch_size=c.integer("batch_size", lo=1),

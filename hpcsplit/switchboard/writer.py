@@ -23,6 +23,7 @@ from hpcsplit.core.calibration import DEFAULT_GB_S, DEFAULT_GFLOPS, DEFAULT_HOP_
 from hpcsplit.errors import PartitionError, SwitchboardError
 from hpcsplit.switchboard import layout as L
 from hpcsplit.switchboard.graph import ComputeGraph, capture, dataflow_graph, measure_nodes
+from hpcsplit.switchboard.picture import write_picture
 from hpcsplit.switchboard.reader import Switchboard
 from hpcsplit.switchboard.regions import RuntimeCost, decide
 from hpcsplit.switchboard.split import export_piece, run_pieces, split_graph
@@ -256,6 +257,7 @@ def export(
                 "decision_batch": decision_batch,
                 "total_flops": sum(w for v, w in g.nodes(data="work") if v not in set(result.dead)),
                 "regions": [d.to_json() for d in result.decisions],
+                "stage_cuts": [c.to_json() for c in result.stage_cuts],
             },
             torch_version=torch.__version__,
         )
@@ -275,6 +277,7 @@ def export(
         d = json.loads((tmp / _LAYOUT).read_text())
         d["verification"] = verification
         (tmp / _LAYOUT).write_text(json.dumps(d, indent=2) + "\n")
+        write_picture(tmp)  # a side file, not in the layout ([Note: the picture is a side file])
         if final.exists():
             _check_out(final, overwrite)
             shutil.rmtree(final)
@@ -384,7 +387,7 @@ def region_table(partition: Mapping[str, Any]) -> str:
                  f"{float(opts.get('transport_gb_s', math.nan)):.3g} GB/s, "
                  f"{float(opts.get('compute_gflops', math.nan)):.3g} GFLOP/s")
     if not regions:
-        return head + "\n  none: the graph has no parallel branches"
+        return head + "\n  none: the graph has no parallel branches" + _stage_cut_table(partition)
     rows = [("region", "branch FLOPs", "absorbed", "crossing B/sample", "benefit ms", "cost ms", "decision")]
     for d in regions:
         costed = bool(d.get("added_edges") or d.get("cost_ms") or d.get("benefit_ms"))
@@ -397,6 +400,22 @@ def region_table(partition: Mapping[str, Any]) -> str:
             f"{float(d.get('cost_ms', 0.0)):.3g} ({d.get('added_edges', 0)} edges)" if costed else "-",
             ("split: " if d.get("split") else "whole: ") + str(d.get("reason", "")),
         ))
+    return head + "\n" + _columns(rows) + _stage_cut_table(partition)
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    return head + "\n" + "\n".join(lines)
+    return "\n".join("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _stage_cut_table(partition: Mapping[str, Any]) -> str:
+    """The stage cuts asked for (``partition.stages``/``max_stage_ms``): made or not, and why."""
+    cuts = list(partition.get("stage_cuts") or [])
+    if not cuts:
+        return ""
+    rows = [("stages of", "asked", "made", "cut first at (towers)", "slowest stage ms", "whole ms", "decision")]
+    for c in cuts:
+        rows.append((str(c.get("component")), str(c.get("requested")), str(c.get("made")),
+                     ", ".join(c.get("towers") or []) or "-", f"{float(c.get('slowest_ms', 0.0)):.3g}",
+                     f"{float(c.get('whole_ms', 0.0)):.3g}", str(c.get("reason", ""))))
+    return "\nstage cuts (a pipeline serves at its slowest stage: compute + hop + received bytes)\n" + _columns(rows)

@@ -8,10 +8,6 @@ processes spinning on both cores, which changes every measured latency.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,20 +43,6 @@ def _components(sb: hpcsplit.Switchboard) -> list[dict]:
     d = json.loads((sb.path / "layout.json").read_text())
     keep = ("name", "kind", "inputs", "outputs", "param_bytes")
     return [{k: c[k] for k in keep} for c in d["components"]]
-
-
-@pytest.fixture()
-def burner() -> Iterator[None]:
-    """Two processes spinning on every core for the duration of the test."""
-    spin = "import time\nend = time.time() + 600\nwhile time.time() < end:\n    pass\n"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(max(2, os.cpu_count() or 2))]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait(timeout=30)
 
 
 def test_export_under_load_gives_the_same_components(tmp_path: Path, request: pytest.FixtureRequest) -> None:

@@ -46,6 +46,7 @@ LAZY_OK: dict[str, str] = {
     "omegaconf": "Hydra's config objects: only the Hydra app and its tests",
     "submitit": "only launcher=slurm submits",
     "matplotlib": "about 0.5 s; only the plots",
+    "graphviz": "only the export's picture of the split, and only where graphviz's dot is installed",
     "transformers": "seconds to import; only the CLIP models",
     "safetensors": "only reading and writing switchboard weights (pulls torch)",
     "pynvml": "NVML: only on GPU machines, and it may be absent",

@@ -212,8 +212,37 @@ def test_hf_local_checkpoint(tmp_path: Path, compose: Any) -> None:
 
 def test_hf_config_problems_listed_together(compose: Any) -> None:
     with pytest.raises(ConfigError) as e:
-        model_settings(compose("model=hf", "model.outputs=[1]"))
+        model_settings(compose("model=hf", "model.inputs=[1]", "model.outputs=[1]"))
     msg = str(e.value)
     assert "model.cls = '???': needs a transformers model class" in msg
-    assert "model.inputs = ['???']: needs a non-empty list of distinct names" in msg
+    assert "model.inputs = [1]: needs a non-empty list of distinct names" in msg
     assert "model.outputs = [1]" in msg
+
+
+def test_hf_inputs_come_from_the_forward_and_the_config(compose: Any) -> None:
+    """model.inputs null: the forward's ids/pixels/features/values (decoder ids for an encoder-decoder) with
+    their masks, in the forward's order; the example decoder ids take the decoder's own context."""
+    from hpcsplit.switchboard.models import hf_default_inputs
+
+    cfg = compose("model=hf", "model.cls=WhisperModel",
+                  "model.config={vocab_size: 64, d_model: 16, encoder_layers: 1, decoder_layers: 1, "
+                  "encoder_attention_heads: 2, decoder_attention_heads: 2, encoder_ffn_dim: 32, decoder_ffn_dim: 32, "
+                  "num_mel_bins: 8, max_source_positions: 16, max_target_positions: 6, pad_token_id: 0, "
+                  "bos_token_id: 1, eos_token_id: 2, decoder_start_token_id: 3}")
+    ms = model_settings(cfg)
+    assert isinstance(ms, HFModelSettings) and ms.inputs is None
+    model, args, _ = ms.build()
+    assert model.input_names == ("input_features", "decoder_input_ids")
+    assert [tuple(a.shape) for a in args] == [(2, 8, 32), (2, 6)]
+    assert not model.model.config.use_cache  # export-friendly: no key/value cache
+    import transformers as tf
+
+    assert hf_default_inputs(tf.GPT2LMHeadModel, tf.GPT2Config()) == ["input_ids", "attention_mask"]
+    assert hf_default_inputs(tf.DetrForObjectDetection, tf.DetrConfig()) == ["pixel_values", "pixel_mask"]
+    assert hf_default_inputs(tf.Wav2Vec2Model, tf.Wav2Vec2Config()) == ["input_values"]
+    assert hf_default_inputs(tf.BertModel, tf.BertConfig()) == ["input_ids", "attention_mask"]
+
+
+def test_hf_without_inputs_it_can_make_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"found no model.inputs, and .* set model.inputs"):
+        build_hf("TimeSeriesTransformerModel", config={"prediction_length": 4, "context_length": 4})

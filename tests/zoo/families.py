@@ -250,3 +250,95 @@ class Interaction(nn.Module):
 
 def interaction() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return Interaction().eval(), (torch.randn(B, 8, 64), torch.randn(B, 8, 64))
+
+
+# ----------------------------------------------------------------------------- issue 32: more families
+# Built through model=hf with model.inputs derived from the forward's signature (hf_default_inputs), tiny
+# configs: two layers, hidden size 32. Nothing is downloaded.
+
+TINY_TF = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+SEQ2SEQ = {"vocab_size": 128, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 2,
+           "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64}
+TINY_RESNET = {"embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1], "layer_type": "basic"}
+TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+HF_MORE: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    # name: (class, config, outputs); inputs: derived from the class's forward and the config
+    "t5": ("T5Model", {"vocab_size": 128, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2,
+                       "num_decoder_layers": 2, "num_heads": 2, "relative_attention_num_buckets": 8},
+           ["last_hidden_state"]),
+    "bart": ("BartModel", {**SEQ2SEQ, "max_position_embeddings": 32}, ["last_hidden_state"]),
+    "whisper": ("WhisperModel", {**SEQ2SEQ, **TOKENS, "decoder_start_token_id": 3, "num_mel_bins": 8,
+                                 "max_source_positions": 16, "max_target_positions": 16}, ["last_hidden_state"]),
+    "gpt2": ("GPT2LMHeadModel", {"vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 16,
+                                 **TOKENS}, ["logits"]),
+    # four layers: with two, the last layer's attention is where the fewest bytes cross (the mask and the
+    # rotary tables are dead after it), and the lm_head puts the FLOP midpoint there
+    "llama": ("LlamaForCausalLM", {**TINY_TF, "num_hidden_layers": 4, "vocab_size": 128, "num_key_value_heads": 1,
+                                   "max_position_embeddings": 16, **TOKENS}, ["logits"]),
+    "vit": ("ViTForImageClassification", {**TINY_TF, "image_size": 32, "patch_size": 8, "num_labels": 10},
+            ["logits"]),
+    "swin": ("SwinForImageClassification", {"image_size": 32, "patch_size": 4, "embed_dim": 16, "depths": [1, 1],
+                                            "num_heads": [1, 2], "window_size": 4, "num_labels": 10}, ["logits"]),
+    "resnet": ("ResNetForImageClassification", {**TINY_RESNET, "num_labels": 10}, ["logits"]),
+    "detr": ("DetrForObjectDetection", {
+        "use_timm_backbone": False, "use_pretrained_backbone": False,
+        "backbone_config": {"model_type": "resnet", **TINY_RESNET, "out_features": ["stage2"]},
+        "d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_queries": 8,
+        "num_labels": 5}, ["logits", "pred_boxes"]),
+    "wav2vec2": ("Wav2Vec2Model", {**TINY_TF, "num_hidden_layers": 4, "conv_dim": [16, 16], "conv_stride": [5, 4], "conv_kernel": [10, 4],
+                                   "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2},
+                 ["last_hidden_state"]),
+}
+
+
+def hf_more(name: str) -> Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    def build() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        from hpcsplit.switchboard.models import build_hf
+
+        cls, config, outputs = HF_MORE[name]
+        return build_hf(cls, config=config, outputs=outputs, batch_size=B)
+
+    return build
+
+
+class TokenTower(nn.Module):
+    """Embeds int64 ids, runs a transformer layer that ignores the padding (a bool mask), mean-pools the
+    tokens the mask keeps."""
+
+    def __init__(self, vocab: int = 100, d: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.block = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.embed(ids), src_key_padding_mask=~mask)
+        keep = mask.unsqueeze(-1).to(h.dtype)
+        return (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+
+
+class Retrieval(nn.Module):
+    """A query tower and a document tower, each fed a dict of int64 ids and a bool mask; their score."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.query = TokenTower(d=d)
+        self.document = TokenTower(d=d)
+        self.scale = nn.Parameter(torch.tensor(10.0))
+
+    def forward(self, query: dict[str, torch.Tensor], document: dict[str, torch.Tensor]) -> torch.Tensor:
+        q = self.query(query["ids"], query["mask"])
+        d = self.document(document["ids"], document["mask"])
+        return self.scale * torch.nn.functional.cosine_similarity(q, d, dim=-1)
+
+
+def _tokens(g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[0, n // 2:] = False  # the first sample is padded
+    return {"ids": torch.randint(1, 100, (B, n), generator=g), "mask": mask}
+
+
+def retrieval() -> tuple[nn.Module, tuple[Any, ...]]:
+    g = torch.Generator().manual_seed(1)
+    return Retrieval().eval(), (_tokens(g, 8), _tokens(g, 12))

@@ -98,7 +98,7 @@ def make_handler(hub: Hub, version: str) -> grpc.GenericRpcHandler:
     async def model_stats(r: Any, _: Any) -> Any:
         if r.name:
             spec.check_model(r.name, r.version)
-        st = hub.statistics()["model_stats"][0]
+        st = (await hub.read_statistics())["model_stats"][0]
         D = pb.StatisticDuration
         inf = pb.InferStatistics(**{k: D(count=v["count"], ns=v["ns"]) for k, v in st["inference_stats"].items()})
         return pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(

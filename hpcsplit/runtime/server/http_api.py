@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from hpcsplit.runtime.server.hub import Hub
 from hpcsplit.runtime.server.protocol import RequestRejected, decode_http, encode_http
@@ -89,7 +89,7 @@ def make_app(hub: Hub, max_body: int, version: str) -> web.Application:
     async def model_stats(request: web.Request) -> web.Response:
         if "model" in request.match_info:
             model_of(request)
-        return web.json_response(hub.statistics())
+        return web.json_response(await hub.read_statistics())
 
     async def infer(request: web.Request) -> web.Response:
         model_of(request)
@@ -113,7 +113,7 @@ def make_app(hub: Hub, max_body: int, version: str) -> web.Application:
                             headers={"Inference-Header-Content-Length": str(n)})
 
     async def metrics(_: web.Request) -> web.Response:
-        resp = web.Response(body=generate_latest(hub.registry))
+        resp = web.Response(body=await hub.metrics_text())
         resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return resp
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from hpcsplit.runtime.server.protocol import InferRequest, ModelSpec, RequestRejected
@@ -124,13 +124,22 @@ class Hub:
     # ------------------------------------------------------------------ server side
     def submit(self, req: InferRequest, protocol: str) -> Ticket:
         """Queue a checked request (from the asyncio thread); raises RequestRejected when not admitting."""
+        self.check_admitting()
+        loop = asyncio.get_running_loop()
+        t = Ticket(req, protocol, loop, loop.create_future())
+        self.enqueue(t)
+        return t
+
+    def check_admitting(self) -> None:
+        """Raise RequestRejected (503) unless the server admits requests now."""
         if self.failed is not None:
             raise RequestRejected(f"the server failed: {self.failed}", 503, "UNAVAILABLE")
         if not self.is_ready():
             raise RequestRejected("the server is not ready (starting or draining after a stop signal)", 503,
                                   "UNAVAILABLE")
-        loop = asyncio.get_running_loop()
-        t = Ticket(req, protocol, loop, loop.create_future())
+
+    def enqueue(self, t: Ticket) -> None:
+        """Queue a ticket; raises RequestRejected (503, counted ``busy``) when the queue is full."""
         if len(self.queue) >= self.capacity:
             self.count(t, "busy")
             err = RequestRejected(f"the server's queue is full ({self.capacity} requests wait: "
@@ -141,7 +150,6 @@ class Hub:
         self.open.add(t)
         if self.on_submit is not None:
             self.on_submit()
-        return t
 
     def count(self, t: Ticket | None, outcome: str, protocol: str | None = None) -> None:
         """One answered request (``ok``, ``error``, ``busy``, ``timeout``, ``rejected``) into the metrics."""
@@ -203,6 +211,14 @@ class Hub:
         s = self.stats[key]
         s[0] += 1
         s[1] += int(max(seconds, 0.0) * 1e9)
+
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the Prometheus text (a protocol worker asks the frontend's hub for it)."""
+        return generate_latest(self.registry)
+
+    async def read_statistics(self) -> dict[str, Any]:
+        """:meth:`statistics`, as the servers' handlers ask for it (a protocol worker asks the frontend)."""
+        return self.statistics()
 
     def statistics(self) -> dict[str, Any]:
         """``/v2/models/<m>/stats`` (Triton's shape)."""

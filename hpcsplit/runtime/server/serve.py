@@ -18,6 +18,11 @@ sockets are readers of the loop: one ``epoll`` waits for clients and ranks alike
 ``DOORBELL_MIN_SLEEP_S``) are a plain sleep, since asyncio's timers wait in whole milliseconds; with nothing
 in flight the loop waits on the doorbell at once (only a client or a rank can bring work then).
 
+With ``runtime.server_workers`` > 0 (null: one per spare core of the node) the two servers run in
+protocol worker processes instead, on the same ports, and hand their checked requests to this loop over
+a channel each (``[Note: protocol workers]`` in :mod:`~hpcsplit.runtime.server.worker`); the loop below is
+the same.  With ``runtime.tls_cert`` and ``runtime.tls_key`` both protocols are served over TLS.
+
 Checked requests come through the :class:`~hpcsplit.runtime.server.hub.Hub`'s bounded queue into
 :func:`serve_requests`, which admits their samples (a request of batch N is N samples) into the same
 routing, batching and replicas as batch and bench mode (at most ``runtime.max_inflight`` samples in the
@@ -43,26 +48,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
-from aiohttp import web
 
-from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.context import RankContext, say
 from hpcsplit.runtime.doorbell import node_address
 from hpcsplit.runtime.faults import COMPONENT_SIGNAL_GRACE_S, stop_signal
 from hpcsplit.runtime.frontend import Frontend, RemoteRankError
-from hpcsplit.runtime.server.grpc_api import make_handler
-from hpcsplit.runtime.server.http_api import make_app
 from hpcsplit.runtime.server.hub import Hub, Ticket
 from hpcsplit.runtime.server.protocol import ModelSpec, RequestRejected
+from hpcsplit.runtime.server.servers import VERSION, Servers
+from hpcsplit.runtime.server.tls import load_tls
+from hpcsplit.runtime.server.workers import Workers, auto_workers
+from hpcsplit.runtime.threads import usable_cores
 
-__all__ = ["ServeLoop", "Servers", "model_spec", "run_server", "serve_requests", "write_private"]
-
-VERSION = "0.1.0"
+__all__ = ["VERSION", "ServeLoop", "Servers", "model_spec", "protocol_workers", "run_server", "serve_requests",
+           "write_private"]
 
 
 def model_spec(ctx: RankContext, fe: Frontend) -> ModelSpec:
@@ -84,58 +87,6 @@ def write_private(path: Path, text: str) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-
-
-class Servers:
-    """The HTTP and gRPC servers on the frontend rank's event loop (``[Note: server mode]``)."""
-
-    def __init__(self, hub: Hub, host: str, http_port: int, grpc_port: int, max_body: int) -> None:
-        self.hub, self.host = hub, host
-        self._want = (http_port, grpc_port)
-        self.max_body = max_body
-        self.http_port = self.grpc_port = 0
-        self._runner: web.AppRunner | None = None
-        self._grpc: grpc.aio.Server | None = None
-
-    async def start(self, timeout_s: float = 30.0) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._start()
-        except TimeoutError:
-            await self.stop()
-            raise RuntimeStageError(f"the HTTP/gRPC servers did not start within {timeout_s:g} s") from None
-        except Exception as e:  # noqa: BLE001 - a port taken, an address not this node's: said, with the fix
-            await self.stop()
-            raise RuntimeStageError(f"could not start the servers on {self.host} (ports {self._want}): "
-                                    f"{type(e).__name__}: {e}. Choose other ports (runtime.server_http_port / "
-                                    "server_grpc_port; 0 picks free ones) or another runtime.server_host") from None
-
-    async def _start(self) -> None:
-        app = make_app(self.hub, self.max_body, VERSION)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._want[0], backlog=1024)
-        await site.start()
-        self.http_port = int(self._runner.addresses[0][1])
-        opts = [("grpc.max_receive_message_length", self.max_body), ("grpc.max_send_message_length", 1 << 30),
-                ("grpc.so_reuseport", 0)]
-        self._grpc = grpc.aio.server(options=opts)
-        self._grpc.add_generic_rpc_handlers((make_handler(self.hub, VERSION),))
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._want[1]}")
-        if not self.grpc_port:
-            raise OSError(f"gRPC could not bind {self.host}:{self._want[1]}")
-        await self._grpc.start()
-
-    async def stop(self, timeout_s: float = 10.0) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                if self._grpc is not None:
-                    await self._grpc.stop(grace=1.0)
-                if self._runner is not None:
-                    await self._runner.cleanup()
-        except Exception as e:  # noqa: BLE001 - closing anyway
-            say(0, f"server: closing the servers: {type(e).__name__}: {e}")
-        self._grpc = self._runner = None
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -485,30 +436,53 @@ def run_server(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
         loop.close()
 
 
+def protocol_workers(ctx: RankContext) -> int:
+    """``runtime.server_workers``, resolved: null is one per core the ranks of the frontend's node leave spare
+    (:func:`~hpcsplit.runtime.server.workers.auto_workers`)."""
+    n = ctx.runtime.server_workers
+    if n is not None:
+        return n
+    node = ctx.entry.node
+    used = sum(max(1, e.threads) for e in ctx.plan.ranks if e.node == node)
+    return auto_workers(usable_cores(), used)
+
+
 async def _run_server(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
     rt = ctx.runtime
     paths = ctx.paths
     spec = model_spec(ctx, fe)
+    tls = load_tls(rt.tls_cert, rt.tls_key)
     token = secrets.token_urlsafe(32) if rt.server_token else None
     if token is not None:
         write_private(paths.server_token, token + "\n")
     host = rt.server_host or node_address(rt.doorbell_network)
     hub = Hub(spec, rt.server_queue, token)
-    srv = Servers(hub, host, rt.server_http_port, rt.server_grpc_port, int(rt.server_max_body_mb * (1 << 20)))
+    n_workers = protocol_workers(ctx)
+    max_body = int(rt.server_max_body_mb * (1 << 20))
+    srv: Servers | Workers
+    if n_workers:  # [Note: protocol workers] in hpcsplit.runtime.server.worker
+        srv = Workers(hub, host, rt.server_http_port, rt.server_grpc_port, max_body, n_workers, tls,
+                      rt.server_drain_s, lambda m: say(0, m))
+    else:
+        srv = Servers(hub, host, rt.server_http_port, rt.server_grpc_port, max_body, tls)
     await srv.start()
     # all interfaces (only when asked): clients still need this node's own address
     shown = node_address(rt.doorbell_network) if host in ("0.0.0.0", "::") else host
+    scheme = "https" if tls else "http"
     endpoint = {"host": shown, "listen": host, "http_port": srv.http_port, "grpc_port": srv.grpc_port, "model": spec.name,
-                "model_version": spec.version, "http_url": f"http://{shown}:{srv.http_port}",
-                "grpc_target": f"{shown}:{srv.grpc_port}",
+                "model_version": spec.version, "http_url": f"{scheme}://{shown}:{srv.http_port}",
+                "grpc_target": f"{shown}:{srv.grpc_port}", "tls": tls is not None,
                 "token_file": str(paths.server_token.resolve()) if token is not None else None,
-                "pid": os.getpid(), "started": time.time()}
+                "pid": os.getpid(), "workers": n_workers,
+                "worker_pids": srv.pids if isinstance(srv, Workers) else [], "started": time.time()}
     hub.ready.set()
     write_private(paths.server_endpoint, json.dumps(endpoint, indent=2) + "\n")
-    say(0, f"server: ready at http://{host}:{srv.http_port} (HTTP) and {host}:{srv.grpc_port} (gRPC), model "
-           f"{spec.name!r}; endpoint in {paths.server_endpoint}")
+    how = f"{n_workers} protocol worker(s)" if n_workers else "on the frontend's thread"
+    say(0, f"server: ready at {scheme}://{host}:{srv.http_port} (HTTP) and {host}:{srv.grpc_port} (gRPC"
+           f"{', TLS' if tls else ''}), {how}, model {spec.name!r}; endpoint in {paths.server_endpoint}")
     try:
-        counts = await serve_requests(ctx, fe, hub)
+        serving = serve_requests(ctx, fe, hub)
+        counts = await (srv.watch(serving) if isinstance(srv, Workers) else serving)
     finally:
         hub.draining.set()
         await srv.stop()
@@ -519,4 +493,5 @@ async def _run_server(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
                 pass
     say(0, f"server: stopped after {counts['requests']} request(s) ({counts['samples']} samples, {counts['ok']} "
            f"answered, {counts['failed']} failed)")
-    return {"server": {**counts, "host": host, "http_port": srv.http_port, "grpc_port": srv.grpc_port}}
+    return {"server": {**counts, "host": host, "http_port": srv.http_port, "grpc_port": srv.grpc_port,
+                       "workers": n_workers}}

@@ -116,11 +116,11 @@ class _Ordered:
         r = e[2]
         k = (k[0] + 1, k[1], k[2])
         e = (tick, e[1], r)
-        lst = buckets.get(k)
-        if lst is None:
+        up = buckets.get(k)
+        if up is None:
             buckets[k] = [e]
         else:
-            lst.append(e)
+            up.append(e)
         self.key[r], self.entry[r] = k, e
         return r
 
@@ -135,9 +135,9 @@ class _Ordered:
             del lst[bisect.bisect_left(lst, self.entry[r])]
         k = (rt.outstanding[r], r in rt._suspect, rt._neg_size[r])
         e = (rt._last[r], self.pos[r], r)
-        lst = buckets.get(k)
-        if lst is None:
+        to = buckets.get(k)
+        if to is None:
             buckets[k] = [e]
         else:
-            bisect.insort(lst, e)
+            bisect.insort(to, e)
         self.key[r], self.entry[r] = k, e

@@ -209,15 +209,31 @@ def format_predicted(pred: Sequence[Predicted]) -> str:
 
 # ------------------------------------------------------------------------------------------ inputs
 def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """The run folder's bench of ``plan_path`` (its record and measured levels), or None."""
+    """The run folder's bench of ``plan_path`` (its record and measured levels), or None (none, of another plan,
+    or files that do not read as the bench writes them: said, and the config's levels simulated instead)."""
     try:
         rec = json.loads(paths.bench_record.read_text())
         sha = hashlib.sha256(plan_path.read_bytes()).hexdigest()
         with open(paths.bench_summary, newline="") as fh:
             rows = list(csv.DictReader(fh))
-    except (OSError, ValueError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
     if not isinstance(rec, dict) or rec.get("plan_sha256") != sha or not rows:
+        return None
+    try:
+        for k in ("max_inflight", "min_requests", "seed"):
+            int(rec[k])
+        for k in ("max_wait_ms", "request_timeout_s", "duration_s"):
+            float(rec[k])
+        if rec["arrival"] not in ARRIVALS or not [float(q) for q in rec["qps"]]:
+            raise ValueError(f"arrival {rec['arrival']!r}")
+        for r in rows:
+            for k in ("offered_qps", "achieved_qps", "p50_ms", "p99_ms", "success_rate"):
+                float(r[k])
+            str(r["variant"])
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"{paths.bench_record} / {paths.bench_summary}: not as the bench writes them ({type(e).__name__}: {e}); "
+              "simulating the configured levels without a comparison", flush=True)
         return None
     return rec, rows
 

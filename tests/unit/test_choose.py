@@ -129,3 +129,27 @@ def test_summary_shows_the_choice_and_the_simulation_beside_the_bench(tmp_path: 
                          bench_result=None).read_text()
     assert "## Simulated vs measured" in text and "| split | 2 | 80.00 | 75.00 | -6.2% |" in text
     assert "Chosen by prediction at 2.0 req/s within 150.0 ms" in text and "| split (chosen) |" in text
+
+
+def test_a_bench_of_another_plan_or_a_damaged_one_is_not_compared(tmp_path: Path) -> None:
+    import hashlib
+
+    from hpcsplit.core.paths import RunPaths
+    from hpcsplit.launch.simulate import bench_record
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    paths = RunPaths.from_config({}, tmp_path)
+    choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy()).plan.save(paths.own_plan)
+    paths.bench_dir.mkdir()
+    rec = {"plan_sha256": hashlib.sha256(paths.own_plan.read_bytes()).hexdigest(), "qps": [2], "duration_s": 10.0,
+           "min_requests": 30, "arrival": "poisson", "seed": 0, "request_timeout_s": 10.0, "max_inflight": 64,
+           "max_wait_ms": 0.0}
+    row = "variant,offered_qps,achieved_qps,p50_ms,p99_ms,success_rate\nsplit,2,1.9,80,100,1\n"
+    paths.bench_summary.write_text(row)
+    for good, r in ((True, rec), (False, {**rec, "plan_sha256": "0" * 64}), (False, {**rec, "max_inflight": "x"}),
+                    (False, {**rec, "arrival": "zipf"})):
+        paths.bench_record.write_text(json.dumps(r))
+        assert (bench_record(paths, paths.own_plan) is not None) == good, r
+    paths.bench_record.write_text(json.dumps(rec))
+    paths.bench_summary.write_text(row.replace("80", "fast"))
+    assert bench_record(paths, paths.own_plan) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AllocationError",
     "AllocationInfeasibleError",
+    "CalibrationError",
     "CaptureError",
     "ConfigError",
     "HpcsplitError",
@@ -65,6 +66,10 @@ class AllocationError(HpcsplitError):
 
 class AllocationInfeasibleError(AllocationError):
     """No placement satisfies the budget; the message names the budget and the way out."""
+
+
+class CalibrationError(HpcsplitError):
+    """A calibration file is malformed, of another kind or schema, or the calibration job failed."""
 
 
 class PlanError(HpcsplitError):

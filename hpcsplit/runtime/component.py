@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hpcsplit.core.device import free_device_copy, is_oom, time_latency_ms
+from hpcsplit.core.grouping import GROUP_SEP, group_members
 from hpcsplit.core.mpi import MPI
 from hpcsplit.errors import RankLeftJob, RuntimeStageError, VerificationError
 from hpcsplit.runtime import faults
@@ -357,16 +358,38 @@ def _load_callable(ctx: RankContext, name: str) -> Any:
     return fn
 
 
-def _example_inputs(ctx: RankContext, name: str, batch: int) -> tuple[torch.Tensor, ...]:
+def _group_callable(ctx: RankContext, flow: Any) -> Callable[..., tuple[Any, ...]]:
+    """A group's members run back to back (``[Note: component groups]``): inputs and outputs in ``flow``'s order."""
+    sb = ctx.switchboard
+    steps = [(_load_callable(ctx, m), [t.name for t in sb.components[m].inputs], [t.name for t in sb.components[m].outputs])
+             for m in group_members(flow.name, sb.order)]
+    ins, outs = tuple(flow.inputs), tuple(flow.outputs)
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        env = dict(zip(ins, args, strict=True))
+        for fn, m_in, m_out in steps:
+            env.update(zip(m_out, as_tuple(fn(*[env[n] for n in m_in])), strict=True))
+        return tuple(env[n] for n in outs)
+
+    return run
+
+
+def _example_inputs(ctx: RankContext, name: str, batch: int, flow: Any = None) -> tuple[torch.Tensor, ...]:
+    sb = ctx.switchboard
     if name == WHOLE:
-        return tuple(ctx.switchboard.example_inputs(batch))
-    return tuple(ctx.switchboard.component_example_inputs(batch)[name])
+        return tuple(sb.example_inputs(batch))
+    if GROUP_SEP in name:  # the members' example activations that come from outside the group
+        acts = sb.component_example_inputs(batch)
+        env = {t.name: x for m in group_members(name, sb.order) for t, x in zip(sb.components[m].inputs, acts[m],
+                                                                                 strict=True)}
+        return tuple(env[n] for n in flow.inputs)
+    return tuple(sb.component_example_inputs(batch)[name])
 
 
 def _check_component(ctx: RankContext, df: Dataflow, name: str, fn: Callable[..., Any], batch: int) -> float:
     """Run ``fn`` once on the switchboard's example activations; check output count, batch and finiteness."""
     flow = df.component(name)
-    args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, batch))
+    args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, batch, flow))
     t0 = time.perf_counter()
     with torch.inference_mode():
         outs = as_tuple(fn(*args))
@@ -390,7 +413,7 @@ def _measure_floor(ctx: RankContext, df: Dataflow, vname: str, name: str, fn: Ca
     for turn in floor_turns(ctx, df, vname):
         if turn == ctx.rank:
             n = ctx.bench.floor_runs
-            args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1))
+            args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1, df.component(name)))
             samples = time_latency_ms(fn, args, warmup=2, iters=n, device=ctx.device)  # the profile's timer
             say(ctx.rank, f"{vname}: {name!r} batch of one, back to back: p50 {float(np.median(samples)):.2f} ms "
                           f"({n} runs)")
@@ -406,7 +429,7 @@ def load_variant(ctx: RankContext, df: Dataflow, vname: str, name: str, slice_gb
     """
     rank = ctx.rank
     try:
-        fn = _load_callable(ctx, name)
+        fn = _group_callable(ctx, df.component(name)) if GROUP_SEP in name else _load_callable(ctx, name)
         if ctx.runtime.verify:
             bs = df.batch_size_of(rank)
             dt = _check_component(ctx, df, name, fn, bs)
@@ -452,7 +475,8 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         all_stats.append(st)
         if ctx.on_gpu:  # the next variant's program gets this one's memory (the slice cap counts cached blocks)
             del fn
-            free_device_copy(ctx.switchboard, name, ctx.device)
+            for m in group_members(name, ctx.switchboard.order) if GROUP_SEP in name else (name,):
+                free_device_copy(ctx.switchboard, m, ctx.device)
     tracer.write(ctx.paths.trace_dir)
     # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
     req = comm.isend(all_stats, dest=0, tag=TAG_STATS)

@@ -33,6 +33,7 @@ from hpcsplit.runtime.routing import (
     Dataflow,
     build_dataflow,
     graph_from_switchboard,
+    served_graph,
     whole_graph_of,
     whole_plan,
 )
@@ -108,8 +109,8 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     whole_only = rt.mode == "server" and rt.server_model == "whole"  # the unsplit baseline behind the endpoint
     if rt.mode == "bench" or whole_only:
         variants.append(("whole", build_dataflow(whole_plan(plan), whole_graph_of(graph))))
-    if not whole_only:
-        variants.append(("split", build_dataflow(plan, graph)))
+    if not whole_only:  # the plan's groups (or the whole model) as it serves them
+        variants.append(("split", build_dataflow(plan, served_graph(graph, plan))))
     if rank == 0:
         say(rank, "plan:\n" + plan.format())
         for vname, df in variants:

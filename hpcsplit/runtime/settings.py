@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from hpcsplit.core.load import ARRIVALS
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
 
@@ -263,7 +264,7 @@ class BenchSettings:
     duration_s: float
     min_requests: int
     floor_runs: int
-    arrival: Literal["poisson", "constant"]
+    arrival: Literal["poisson", "constant", "bursty"]
     warmup_s: float
     seed: int
     request_timeout_s: float | None  # None: runtime.request_timeout_s
@@ -296,7 +297,7 @@ class BenchSettings:
             duration_s=c.number("duration_s", lo=0, lo_open=True),
             min_requests=c.integer("min_requests", lo=0),
             floor_runs=c.integer("floor_runs", lo=0),
-            arrival=c.choice("arrival", ("poisson", "constant")),
+            arrival=c.choice("arrival", ARRIVALS),
             warmup_s=c.number("warmup_s", lo=0),
             seed=c.integer("seed"),
             request_timeout_s=c.number("request_timeout_s", lo=0, lo_open=True, none=True),

@@ -9,14 +9,17 @@ from __future__ import annotations
 __all__ = [
     "AllocationError",
     "AllocationInfeasibleError",
+    "CalibrationError",
     "CaptureError",
     "ConfigError",
     "HpcsplitError",
+    "JobTimedOut",
     "LaunchError",
     "PartitionError",
     "PlanError",
     "ProfileError",
     "ProfileFormatError",
+    "RankLeftJob",
     "RequestTimeoutError",
     "RuntimeStageError",
     "SwitchboardError",
@@ -65,6 +68,10 @@ class AllocationInfeasibleError(AllocationError):
     """No placement satisfies the budget; the message names the budget and the way out."""
 
 
+class CalibrationError(HpcsplitError):
+    """A calibration file is malformed, of another kind or schema, or the calibration job failed."""
+
+
 class PlanError(HpcsplitError):
     """A plan file is malformed or does not match the switchboard / world size."""
 
@@ -77,8 +84,17 @@ class RequestTimeoutError(RuntimeStageError):
     """A request exceeded ``runtime.request_timeout_s``."""
 
 
+class RankLeftJob(RuntimeStageError):
+    """This rank leaves a job that goes on without it (server mode: the frontend declared it lost, or the
+    frontend fell silent): the rank exits without aborting the others (``hpcsplit.launch.rank``)."""
+
+
 class LaunchError(HpcsplitError):
     """A job could not be launched, or failed on the cluster."""
+
+
+class JobTimedOut(LaunchError):
+    """A job ran past the launcher's time limit and was stopped (a server is not started again then)."""
 
 
 class WorldSizeError(LaunchError):

@@ -18,9 +18,10 @@ from typing import Any
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
 
-__all__ = ["MILP_SOLVERS", "MODES", "AllocateSettings", "build_settings"]
+__all__ = ["MILP_SOLVERS", "MODES", "OBJECTIVES", "AllocateSettings", "build_settings"]
 
 MODES = ("auto", "enumerate", "generate", "per-device")
+OBJECTIVES = ("goodput", "devices")
 MILP_SOLVERS = ("HIGHS", "SCIPY", "SCIP", "GUROBI", "CPLEX", "CBC", "GLPK_MI")  # named when one is missing
 
 
@@ -54,6 +55,8 @@ class AllocateSettings:
     enumerate_limit: int
     max_patterns: int
     max_cg_iters: int
+    rate_rps: float | None = None  # a demanded rate: choose the split and plan by simulated goodput (choose.py)
+    objective: str = "goodput"  # with rate_rps: "goodput" (the highest) or "devices" (the fewest meeting the SLO)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> AllocateSettings:
@@ -126,7 +129,12 @@ def build_settings(values: Mapping[str, Any] | None) -> tuple[AllocateSettings, 
         enumerate_limit=c.integer("enumerate_limit", lo=0),
         max_patterns=c.integer("max_patterns", lo=1),
         max_cg_iters=c.integer("max_cg_iters", lo=0),
+        rate_rps=c.number("rate_rps", lo=0, lo_open=True, none=True),
+        objective=c.choice("objective", OBJECTIVES),
     )
+    if settings.rate_rps is not None and not isinstance(settings.slo_ms, float):
+        c.problem(f"allocate.rate_rps = {settings.rate_rps:g} chooses the split by the share of requests within "
+                  f"allocate.slo_ms, which needs one end-to-end SLO in ms (found {settings.slo_ms!r})")
     return settings, c.problems
 
 

@@ -35,7 +35,7 @@ from hpcsplit.allocation.packing import Instance
 from hpcsplit.allocation.patterns import solve_patterns
 from hpcsplit.allocation.results import Allocation, Option, Replica
 from hpcsplit.allocation.settings import AllocateSettings, build_settings
-from hpcsplit.allocation.timeshare import add_timeshared_replicas
+from hpcsplit.allocation.timeshare import FRONTEND_S_PER_REQUEST, add_timeshared_replicas
 from hpcsplit.core.cluster import ClusterSpec
 from hpcsplit.core.plan import device_key
 from hpcsplit.core.profile_format import ComponentProfile, Profile
@@ -99,6 +99,8 @@ def allocate(
     profiles: Profile | Sequence[Profile],
     cluster: ClusterSpec | Mapping[str, Any],
     settings: AllocateSettings | None = None,
+    *,
+    frontend_s_per_request: float | None = None,
     **options: Any,
 ) -> Allocation:
     """Place replicas of every component on the cluster, leximin-fair in throughput.
@@ -111,6 +113,9 @@ def allocate(
         The site (a mapping goes through :meth:`ClusterSpec.from_config`).
     settings : AllocateSettings, optional
         Every setting at once (the stage's); default ``conf/allocate/default.yaml``.
+    frontend_s_per_request : float, optional
+        The frontend's CPU seconds per request in the CPU time-sharing pass (a calibration's); default
+        :data:`~hpcsplit.allocation.timeshare.FRONTEND_S_PER_REQUEST`.
     **options
         Settings laid over ``settings`` (keys of ``conf/allocate/default.yaml``; meanings there and in
         docs/allocate.md), e.g. ``demand_weights`` (component -> relative request rate; leximin runs on
@@ -176,7 +181,8 @@ def allocate(
             f"node 0 oversubscribed by {extra} core(s): throughput predictions optimistic"
         )
         if s.cpu_timeshare and cluster.nodes == 1:  # (a node short of cores among several: not modelled)
-            alloc = _timeshare(alloc, cluster, weights, s.cpu_mem_fraction)
+            alloc = _timeshare(alloc, cluster, weights, s.cpu_mem_fraction,
+                               FRONTEND_S_PER_REQUEST if frontend_s_per_request is None else frontend_s_per_request)
     if not alloc.replicas:  # never hand back an empty plan
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, "no replica placed"))
     return alloc
@@ -227,11 +233,12 @@ def _solve(
 
 
 def _timeshare(
-    alloc: Allocation, cluster: ClusterSpec, weights: dict[str, float], mem_fraction: float
+    alloc: Allocation, cluster: ClusterSpec, weights: dict[str, float], mem_fraction: float, frontend_s: float
 ) -> Allocation:
     """Node 0's ranks share its cores: add replicas of the bottleneck while that pays (``_timeshare``)."""
     reps, ts = add_timeshared_replicas(
-        alloc.replicas, weights, float(cluster.cores_per_node), cluster.mem_bytes_per_node * mem_fraction
+        alloc.replicas, weights, float(cluster.cores_per_node), cluster.mem_bytes_per_node * mem_fraction,
+        frontend_s=frontend_s,
     )
     if ts is None:
         return alloc
@@ -249,6 +256,7 @@ def _timeshare(
         "rate_before_rps": ts.rate_before,
         "rate_after_rps": ts.rate_after,
         "core_ceiling_rps": ts.core_ceiling,
+        "frontend_us_per_request": frontend_s * 1e6,
     }
     log.info("%s", ts.note())
     util = dict(alloc.device_utilization)

@@ -11,12 +11,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hpcsplit.allocation.choose import choose
 from hpcsplit.allocation.settings import AllocateSettings
 from hpcsplit.allocation.solve import allocate
 from hpcsplit.allocation.to_plan import plot_plan
+from hpcsplit.core.calibration import Calibration, calibration_for
 from hpcsplit.core.cluster import ClusterSpec
 from hpcsplit.core.paths import RunPaths
-from hpcsplit.core.profile_format import read_profile
+from hpcsplit.core.profile_format import Profile, read_profile
+from hpcsplit.core.sim_model import SimGraph
+from hpcsplit.core.simulator import ServePolicy
+from hpcsplit.errors import AllocationError
+from hpcsplit.switchboard.layout import LAYOUT_FILE, load_layout
 
 __all__ = ["SETTINGS", "run_allocate"]
 
@@ -51,7 +57,11 @@ def run_allocate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     settings = AllocateSettings.from_config(cfg)
     cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
     paths = RunPaths.from_config(cfg, run_dir)
-    alloc = allocate([read_profile(p) for p in paths.profiles], cluster, settings)
+    cal = calibration_for(paths.calibration, paths.calibration_given)
+    profiles = [read_profile(p) for p in paths.profiles]
+    if settings.rate_rps is not None:  # [Note: choosing by prediction] in hpcsplit.allocation.choose
+        return _choose(cfg, settings, cluster, paths, cal, profiles)
+    alloc = allocate(profiles, cluster, settings, frontend_s_per_request=_frontend_s(cal))
     plan = alloc.to_plan()
     plan_path = plan.save(paths.own_plan)
     png = plot_plan(plan, paths.plan_png)
@@ -68,3 +78,35 @@ def run_allocate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "time_limit_hit": alloc.solve.get("time_limit_hit"),
         "solver": alloc.solve.get("solver"),
     }
+
+
+def _choose(cfg: dict[str, Any], settings: AllocateSettings, cluster: ClusterSpec, paths: RunPaths,
+            cal: Calibration, profiles: list[Profile]) -> dict[str, Any]:
+    """``allocate.rate_rps``: the candidate split and plan with the best simulated goodput (or fewest devices)."""
+    if len(profiles) != 1:
+        raise AllocationError(f"allocate.rate_rps chooses the split of one switchboard; found {len(profiles)} "
+                              "profiles (profile.path): allocate one model at a time")
+    if not (paths.switchboard / LAYOUT_FILE).is_file():
+        raise AllocationError(f"allocate.rate_rps simulates the switchboard's dataflow: {paths.switchboard} has no "
+                              f"{LAYOUT_FILE}; pass switchboard=PATH (the one the profile was measured on)")
+    layout, sha = load_layout(paths.switchboard)
+    if profiles[0].meta.switchboard_sha256 and profiles[0].meta.switchboard_sha256 != sha:
+        raise AllocationError(f"the profile was measured on switchboard {profiles[0].meta.switchboard_sha256[:12]} "
+                              f"but {paths.switchboard} is {sha[:12]}; pass the matching switchboard=PATH")
+    log.info("choosing the split by prediction at %g req/s within %g ms; %s", settings.rate_rps, settings.slo_ms,
+             cal.describe())
+    choice = choose(profiles[0], cluster, settings, SimGraph.from_layout(layout), cal, ServePolicy.from_config(cfg),
+                    sha, log=lambda m: log.info("%s", m))
+    plan_path = choice.plan.save(paths.own_plan)
+    png = plot_plan(choice.plan, paths.plan_png)
+    text = choice.table()
+    print(f"candidate splits at {settings.rate_rps:g} req/s, SLO {settings.slo_ms:g} ms "
+          f"({settings.objective}):\n{text}", flush=True)
+    log.info("plan written to %s\n%s", plan_path, choice.plan.format())
+    return {"plan": str(plan_path), "plot": str(png) if png else None, "world_size": choice.plan.world_size,
+            "chosen": choice.chosen, "why": choice.why, "candidates": list(choice.rows), "table": text}
+
+
+def _frontend_s(cal: Calibration) -> float | None:
+    """The frontend's CPU per request for the time-sharing pass: a calibration's, else the allocator's default."""
+    return (cal.frontend_us_per_request + cal.frontend_us_per_message) / 1e6 if cal.measured else None

@@ -24,12 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hpcsplit.allocation.results import Replica
+from hpcsplit.core.calibration import DEFAULT_FRONTEND_US_PER_REQUEST
 
 __all__ = ["FRONTEND_S_PER_REQUEST", "TimeShare", "add_timeshared_replicas", "pipeline_rate"]
 
-# frontend CPU per request (s): the frontend ceiling is 5,000-8,000 requests/s on one core
-# (python -m hpcsplit.bench cpu), so 200 us is a safe upper figure
-FRONTEND_S_PER_REQUEST = 200e-6
+# frontend CPU per request (s) without a calibration: the frontend ceiling is 5,000-8,000 requests/s on one
+# core (python -m hpcsplit.bench cpu), so 200 us is a safe upper figure (core.calibration's documented default)
+FRONTEND_S_PER_REQUEST = DEFAULT_FRONTEND_US_PER_REQUEST / 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,8 @@ class TimeShare:
 
 
 def pipeline_rate(
-    replicas: Sequence[tuple[str, float, int]], weights: Mapping[str, float], cores: float
+    replicas: Sequence[tuple[str, float, int]], weights: Mapping[str, float], cores: float,
+    frontend_s: float = FRONTEND_S_PER_REQUEST,
 ) -> tuple[float, float, float]:
     """(rate, replica bound, core ceiling) for replicas ``(component, throughput req/s, threads)`` on one node.
 
@@ -70,7 +72,7 @@ def pipeline_rate(
         threads[c] = threads.get(c, 0) + t
     bound = min((cap[c] / w for c, w in weights.items() if w > 0 and c in cap), default=math.inf)
     # core-seconds per unit of pipeline rate: every rank busy in proportion to its component's share
-    per_rate = FRONTEND_S_PER_REQUEST + sum(
+    per_rate = frontend_s + sum(
         threads[c] * _load(weights, c) / cap[c] for c in cap if cap[c] > 0
     )
     ceiling = cores / per_rate if per_rate > 0 else math.inf
@@ -91,6 +93,7 @@ def add_timeshared_replicas(
     *,
     max_added: int = 64,
     min_gain: float = 0.02,
+    frontend_s: float = FRONTEND_S_PER_REQUEST,
 ) -> tuple[list[Replica], TimeShare | None]:
     """Add replicas of the bottleneck to node 0 while the predicted pipeline rate rises.
 
@@ -99,10 +102,12 @@ def add_timeshared_replicas(
     replicas : sequence of :class:`~hpcsplit.allocation.results.Replica`
         The MILP's answer on a one-node CPU cluster whose node is oversubscribed.
     weights : demand weights (0: one replica only, never added to).
-    cores : node 0's cores (the frontend's share is in :data:`FRONTEND_S_PER_REQUEST`).
+    cores : node 0's cores (the frontend's share is ``frontend_s`` per request).
     mem_bytes : host memory the node's replicas may use together.
     max_added : at most this many ranks are added.
     min_gain : a replica is added only if the rate rises by at least this fraction.
+    frontend_s : the frontend's CPU seconds per request: a calibration's (``stage=calibrate``), else
+        :data:`FRONTEND_S_PER_REQUEST`.
 
     Returns
     -------
@@ -115,7 +120,7 @@ def add_timeshared_replicas(
         node0 = [
             (r.option.component, r.option.throughput_rps, int(r.option.slice_size)) for r in rs if r.node == 0
         ]
-        return pipeline_rate(node0, weights, cores)
+        return pipeline_rate(node0, weights, cores, frontend_s)
 
     before, _bound, ceiling = rate(reps)
     cur = before

@@ -3,9 +3,10 @@
 [Note: run folder]
 A run folder (Hydra's output dir, ``paths.run_dir``) holds what each stage writes: the switchboard
 (``paths.switchboard_dirname``), the profile (``paths.profile_filename``), the plan
-(``paths.plan_filename``) and its picture, ``analysis/``, ``bench/``, batch outputs, traces, logs, the
+(``paths.plan_filename``) and its picture, ``calibration.json``, ``analysis/``, ``bench/``, ``simulate/``, batch
+outputs, traces, logs, the
 pipeline's ``manifest.json``, ``launch.json`` and ``summary.md``.  The inputs a stage reads may come
-from elsewhere: ``switchboard=PATH``, ``profile.path=PATH`` and ``plan=PATH`` override the run folder's
+from elsewhere: ``switchboard=PATH``, ``profile.path=PATH``, ``plan=PATH`` and ``calibration=PATH`` override the run folder's
 own; :class:`RunPaths` resolves both, so no stage spells a file name itself.
 """
 
@@ -19,14 +20,19 @@ from typing import Any, ClassVar
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
 
-__all__ = ["MPI_INIT_DIR_VAR", "RunPaths", "result_name"]
+__all__ = ["CALIBRATION_FILE", "MPI_INIT_DIR_VAR", "RANKS_SURVIVE_VAR", "RunPaths", "result_name"]
 
 # Where each rank records that it started and finished MPI_Init (hpcsplit.core.mpi.init_with_deadline);
 # launcher=slurm sets it to <slurm folder>/init.<job id> and reads it when a job fails
 # (hpcsplit.launch.slurm.startup_failed).
 MPI_INIT_DIR_VAR = "HPCSPLIT_MPI_INIT_DIR"
+# set to 1 by the launcher of a server job whose ranks may end without ending the job (hydra run with
+# -disable-auto-cleanup and each rank under hpcsplit.launch.keeper; srun --kill-on-bad-exit=0): see
+# [Note: serving through faults] in hpcsplit.runtime.server.failover
+RANKS_SURVIVE_VAR = "HPCSPLIT_RANKS_SURVIVE"
 
 _FIELDS = ("run_dir", "switchboard_dirname", "profile_filename", "plan_filename")
+CALIBRATION_FILE = "calibration.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +56,14 @@ class RunPaths:
     profile: Path  # the profile to read or write (profile.path=PATH, else the run folder's)
     profiles: tuple[Path, ...]  # allocate reads several (profile.path=[A, B]); else (profile,)
     plan: Path  # the plan to read (plan=PATH, else the run folder's)
+    calibration: Path  # the calibration to read (calibration=PATH, else the run folder's)
     own_switchboard: Path  # where this run folder's export writes
     own_plan: Path  # where this run folder's allocate writes
     analysis_dir: Path  # where analyze writes (profile.analysis_dir, else <run_dir>/analysis)
     switchboard_given: bool = False
     profile_given: bool = False
     plan_given: bool = False
+    calibration_given: bool = False
 
     CONFIG_KEYS: ClassVar[tuple[str, ...]] = _FIELDS  # the keys of conf/paths/default.yaml
 
@@ -83,8 +91,8 @@ class RunPaths:
             prof_given = prof_given[0]
         elif prof_given is not None and not isinstance(prof_given, str | Path):
             raise ConfigError(f"profile.path = {prof_given!r}: needs a path, a list of paths or null")
-        sb_given, plan_given = cfg.get("switchboard"), cfg.get("plan")
-        for key, v in (("switchboard", sb_given), ("plan", plan_given)):
+        sb_given, plan_given, cal_given = cfg.get("switchboard"), cfg.get("plan"), cfg.get("calibration")
+        for key, v in (("switchboard", sb_given), ("plan", plan_given), ("calibration", cal_given)):
             if v is not None and not isinstance(v, str | Path):
                 raise ConfigError(f"{key} = {v!r}: needs a path or null")
         profile = Path(prof_given) if prof_given else run / prof_name
@@ -97,18 +105,30 @@ class RunPaths:
             profile=profile,
             profiles=many or (profile,),
             plan=Path(plan_given) if plan_given else run / plan_name,
+            calibration=Path(cal_given) if cal_given else run / CALIBRATION_FILE,
             own_switchboard=run / sb_name,
             own_plan=run / plan_name,
             analysis_dir=Path(analysis) if analysis else run / "analysis",
             switchboard_given=bool(sb_given),
             profile_given=bool(prof_given),
             plan_given=bool(plan_given),
+            calibration_given=bool(cal_given),
         )
 
     # ------------------------------------------------------------------------------ what stages write
     @property
     def plan_png(self) -> Path:
         return self.own_plan.with_suffix(".png")
+
+    @property
+    def own_calibration(self) -> Path:
+        """Where this run folder's ``stage=calibrate`` writes."""
+        return self.run_dir / CALIBRATION_FILE
+
+    @property
+    def simulate_dir(self) -> Path:
+        """``stage=simulate``'s tables and plots."""
+        return self.run_dir / "simulate"
 
     @property
     def bench_dir(self) -> Path:
@@ -118,6 +138,11 @@ class RunPaths:
     def bench_summary(self) -> Path:
         """The bench mode's table, one row per variant and load."""
         return self.bench_dir / "summary.csv"
+
+    @property
+    def bench_record(self) -> Path:
+        """The bench's plan (sha256 of the file), schedule and serving settings, written before its first level."""
+        return self.bench_dir / "bench.json"
 
     @property
     def bench_levels(self) -> Path:

@@ -35,10 +35,11 @@ from hpcsplit.core.plan import Plan
 from hpcsplit.errors import ConfigError, HpcsplitError, LaunchError
 from hpcsplit.launch import slurm as _slurm
 from hpcsplit.launch.config import check_plan_on_cluster, conf_dir, plan_roles, validate
+from hpcsplit.launch.keeper import serves_through_faults
 from hpcsplit.launch.local import find_mpiexec, mpiexec_command, mpiexec_flavour, run_mpi_local
 from hpcsplit.launch.pipeline import run_pipeline
 from hpcsplit.launch.probe_table import format_table
-from hpcsplit.launch.serve_watch import ServeWatch
+from hpcsplit.launch.serve_watch import restart_on_cluster, serve_with_restarts
 from hpcsplit.launch.stages import (
     STAGES,
     LocalLauncherSettings,
@@ -153,14 +154,15 @@ def run_mpi(
     return run_mpi_local(entry, cfg, paths, stage, ranks or 1, launcher, echo=echo, roles=roles)
 
 
-def _serve_watch(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo) -> ServeWatch | None:
-    """``stage=serve runtime.mode=server``: the login side's endpoint wait and status lines."""
-    if stage != "serve":
-        return None
+def _serve(run: Callable[[dict[str, Any]], Any], cfg: dict[str, Any], run_dir: Path, echo: Echo) -> Any:
+    """``stage=serve runtime.mode=server``: the login side's endpoint wait and status lines, and the restarts
+    (``[Note: server restarts]`` in :mod:`hpcsplit.launch.serve_watch`)."""
     rt = RuntimeSettings.from_config(cfg)
-    if rt.mode != "server":
-        return None
-    return ServeWatch(RunPaths.from_config(cfg, run_dir), echo, rt.server_status_s, tls_cert=rt.tls_cert).start()
+    launcher = launcher_settings(cfg)
+    slurm = isinstance(launcher, SlurmLauncherSettings)
+    return serve_with_restarts(run, cfg, RunPaths.from_config(cfg, run_dir), echo, rt.server_status_s,
+                               launcher.restarts, launcher.restart_backoff_s, rt.tls_cert,
+                               (lambda c: restart_on_cluster(c, run_dir, echo)) if slurm else None)
 
 
 def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo) -> Any:
@@ -171,24 +173,22 @@ def run_stage(stage: str, cfg: dict[str, Any], run_dir: Path, echo: Echo = _echo
         raise LaunchError(f"stage={stage} is not available in this version: {why}")
     if fn is not None:
         return fn(cfg, run_dir)
-    shape = None
-    roles: dict[int, str] = {}
-    if row.ranks == "plan":
-        paths = RunPaths.from_config(cfg, run_dir)
-        plan = _plan_of(stage, paths)
-        check_plan_on_cluster(plan, cluster_spec(cfg), echo)
-        _check_switchboard(stage, paths)
-        ranks: int | None = plan.world_size
-        shape = _plan_shape(plan)
-        roles = plan_roles(plan)
-    else:
-        ranks = _mpi_ranks(stage, cfg, run_dir)
-    watch = _serve_watch(stage, cfg, run_dir, echo)
-    try:
-        result = run_mpi(row.entry, cfg, run_dir, stage, ranks, echo=echo, shape=shape, roles=roles)
-    finally:
-        if watch is not None:
-            watch.stop()
+    def run(c: dict[str, Any]) -> Any:
+        shape = None
+        roles: dict[int, str] = {}
+        if row.ranks == "plan":  # read each time: a server restarted on fewer nodes runs another plan
+            paths = RunPaths.from_config(c, run_dir)
+            plan = _plan_of(stage, paths)
+            check_plan_on_cluster(plan, cluster_spec(c), echo)
+            _check_switchboard(stage, paths)
+            ranks: int | None = plan.world_size
+            shape = _plan_shape(plan)
+            roles = plan_roles(plan)
+        else:
+            ranks = _mpi_ranks(stage, c, run_dir)
+        return run_mpi(row.entry, c, run_dir, stage, ranks, echo=echo, shape=shape, roles=roles)
+
+    result = _serve(run, cfg, run_dir, echo) if serves_through_faults(cfg, stage) else run(cfg)
     if stage == "probe" and isinstance(launcher_settings(cfg), SlurmLauncherSettings) and isinstance(result, list):
         echo(format_table(result))
     return result

@@ -5,7 +5,7 @@
 ``stage=all`` skips the stages whose inputs are unchanged (``[Note: pipeline manifest]``).
 ``python -m hpcsplit stage=analyze profile=PATH`` is rewritten before Hydra parses it:
 ``profile`` is a config group, so a value that is not one of its options but looks like a path
-becomes ``profile.path=/abs/PATH``.  ``plan`` and ``switchboard`` are top-level keys; their paths
+becomes ``profile.path=/abs/PATH``.  ``plan``, ``switchboard`` and ``calibration`` are top-level keys; their paths
 are made absolute (``plan=/abs/PATH``) so that SLURM jobs started from another folder find them.
 Option names (``profile=default``), ``null``, sweeps (``a,b``) and dotted keys are left alone.
 
@@ -41,6 +41,8 @@ from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.settings import closest, conf_dir, group_defaults
 from hpcsplit.errors import ConfigError, PlanError
+from hpcsplit.launch.calibrate import CalibrateSettings
+from hpcsplit.launch.simulate import SimulateSettings
 from hpcsplit.launch.stages import STAGE_NAMES, launcher_problems
 from hpcsplit.runtime.settings import BenchSettings, RuntimeSettings
 
@@ -61,7 +63,7 @@ __all__ = [
 SRUN_MPI = ("pmi2", "pmix", "pmix_v2", "pmix_v3", "pmix_v4", "pmix_v5", "pmi", "cray_shasta", "none")
 
 # Keys of the argv shortcut: key -> True when it is a config group (value goes to KEY.path).
-_SHORTCUTS = {"profile": True, "plan": False, "switchboard": False}
+_SHORTCUTS = {"profile": True, "plan": False, "switchboard": False, "calibration": False}
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_./:+@~%-]+$")
 
 
@@ -312,6 +314,8 @@ _LIGHT: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "paths": lambda cfg: RunPaths.from_config(cfg, "."),
     "runtime": RuntimeSettings.from_config,
     "bench": BenchSettings.from_config,
+    "calibrate": CalibrateSettings.from_config,
+    "simulate": SimulateSettings.from_config,
 }
 
 

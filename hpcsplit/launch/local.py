@@ -27,7 +27,8 @@ from typing import IO, Any
 from hpcsplit.core.detect import Detection, detect_gpus, rank_gpu_env
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
-from hpcsplit.errors import LaunchError
+from hpcsplit.errors import JobTimedOut, LaunchError
+from hpcsplit.launch.keeper import server_lost_ranks, serves_through_faults, survival_env
 from hpcsplit.launch.proctree import JobTree
 from hpcsplit.launch.stages import STAGES, LocalLauncherSettings
 
@@ -82,11 +83,14 @@ def mpiexec_flavour(mpiexec: str) -> str:
 
 
 def mpiexec_command(
-    mpiexec: str, ranks: int, entry: str, cfg_path: Path, run_dir: Path, extra_args: list[str] | None = None
+    mpiexec: str, ranks: int, entry: str, cfg_path: Path, run_dir: Path, extra_args: list[str] | None = None,
+    keeper: bool = False,
 ) -> list[str]:
     """The ``mpiexec -n N python -m mpi4py -m hpcsplit.launch.rank ...`` command line.
 
     Open MPI gets ``--oversubscribe`` (more ranks than cores) and, as root, ``--allow-run-as-root``.
+    ``keeper`` (a server, MPICH): ``-disable-auto-cleanup`` and each rank under ``hpcsplit.launch.keeper``
+    (``[Note: rank keeper]``), so that a rank's death does not end the job.
     """
     cmd = [mpiexec]
     if mpiexec_flavour(mpiexec) == "openmpi":
@@ -94,7 +98,9 @@ def mpiexec_command(
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")
     cmd += list(extra_args or [])
-    cmd += ["-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank", entry]
+    cmd += ["-disable-auto-cleanup"] if keeper else []
+    cmd += ["-n", str(ranks), *([sys.executable, "-m", "hpcsplit.launch.keeper"] if keeper else [])]
+    cmd += [sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank", entry]
     cmd += [str(cfg_path), str(run_dir)]
     return cmd
 
@@ -217,10 +223,11 @@ def _restore_handlers(old: dict[int, Any] | None) -> None:
 
 def _stopped_cleanly(cfg: Mapping[str, Any], proc: subprocess.Popen[str], result: Path) -> bool:
     """A server job (``runtime.mode=server``) that a stop signal drained: mpiexec exited 0 and rank 0 wrote its
-    result.  Stopping is how a server ends, so that is no failure (a batch or bench job stopped early is)."""
+    result.  Stopping is how a server ends, so that is no failure (a batch or bench job stopped early is).
+    A server that lost ranks while serving exits non-zero (the lost rank's code) with its result written."""
     runtime = cfg.get("runtime")
-    return (isinstance(runtime, Mapping) and runtime.get("mode") == "server" and proc.returncode == 0
-            and result.is_file())
+    return (isinstance(runtime, Mapping) and runtime.get("mode") == "server" and result.is_file()
+            and (proc.returncode == 0 or server_lost_ranks(result) is not None))
 
 
 def _stop(proc: subprocess.Popen[str], tree: JobTree, grace_s: float, echo: Echo | None = None) -> None:
@@ -367,12 +374,15 @@ def run_mpi_local(
     cfg_path.write_text(json.dumps(cfg, indent=2, default=str))
     result = paths.rank_result(entry)
     result.unlink(missing_ok=True)
-    cmd = mpiexec_command(mpiexec, ranks, entry, cfg_path, paths.run_dir, list(launcher.mpiexec_args))
+    keeper = serves_through_faults(cfg, stage) and mpiexec_flavour(mpiexec) == "mpich"  # [Note: rank keeper]
+    cmd = mpiexec_command(mpiexec, ranks, entry, cfg_path, paths.run_dir, list(launcher.mpiexec_args), keeper)
     timeout_min = launcher.timeout_min
     timeout_s = None if timeout_min is None else float(timeout_min) * 60
     log_path = paths.stage_log(stage)
     echo(f"[hpcsplit] {stage}: {ranks} MPI rank(s): {' '.join(cmd[:3])} ... {entry}; log {log_path}")
     env = _local_env(mpiexec, echo)
+    if keeper:
+        env = {**survival_env(cfg), **env}  # the user's own values of MPICH's variables win
     gpu_binding(cfg, paths, stage, ranks, env, echo)
     t0 = time.monotonic()
     tail: deque[str] = deque(maxlen=60)
@@ -408,7 +418,7 @@ def run_mpi_local(
             except subprocess.TimeoutExpired:
                 _stop(proc, tree, launcher.grace_s, echo)
                 _join(threads[:2])
-                raise LaunchError(
+                raise JobTimedOut(
                     f"{stage}: {ranks} MPI rank(s) ran past launcher.timeout_min={timeout_min} and were killed. "
                     f"Raise launcher.timeout_min if the stage is just slow. Log: {log_path}\n"
                     + "\n".join(list(tail)[-20:])
@@ -445,6 +455,13 @@ def run_mpi_local(
                     atexit.unregister(tree.kill)
                 _restore_handlers(old)
     elapsed = time.monotonic() - t0
+    lost = server_lost_ranks(result) if rc != 0 and serves_through_faults(cfg, stage) else None
+    if lost is not None:  # a server that went on without some ranks, then ended (stopped, or to start again)
+        for line in dead_ranks(list(tail), tree.ranks if tree else {}, roles, tree.first_ended() if tree else None):
+            echo(f"[hpcsplit] {stage}: {line}")
+        echo(f"[hpcsplit] {stage}: the server served on without {len(lost['lost_ranks'])} lost rank(s), then ended "
+             f"after {elapsed:.1f} s (mpiexec exit code {rc}: a lost rank's); log: {log_path}")
+        return json.loads(result.read_text())
     if rc != 0:
         lines = [x for x in tail if x.strip() and not set(x.strip()) <= {"="}]
         rank_lines = [x for x in lines if x.startswith("[rank ")]

@@ -8,14 +8,16 @@ its result.  A stage is skipped when its status is ``done``, its inputs hash is 
 output still hashes to what was recorded; any change re-runs it and, because later stages hash
 its output, everything after it.  Inputs per stage:
 
-* export: ``model``, ``partition``, ``verify``; output: sha256 of ``switchboard/layout.json``
+* export: ``model``, ``partition``, ``verify``, the calibration file's sha256 (the split rule reads it); output:
+  sha256 of ``switchboard/layout.json``
   (= ``Switchboard.sha256``; every file ``layout.json`` records is checked against its size and
   sha256 before a reused switchboard is trusted);
 * profile: switchboard hash, ``profile`` (grid, iterations, device), the cluster's hardware keys;
   output: sha256 of the HDF5 file (only a *complete* profile counts as done; an incomplete one is
   resumed by the profiler itself);
 * analyze: profile hash; output: the analysis folder's table;
-* allocate: profile hash, ``allocate``, the cluster without its ``slurm`` block; output: plan hash;
+* allocate: profile hash, ``allocate``, the cluster without its ``slurm`` block, the calibration file's sha256;
+  output: plan hash;
 * bench: plan hash, switchboard hash, ``bench``, ``runtime``, launcher and cluster names.
 
 File names come from :class:`~hpcsplit.core.paths.RunPaths`.  Continuing a run folder: ``resume=RUN_DIR`` (rewritten to ``hydra.run.dir=RUN_DIR`` by
@@ -92,18 +94,20 @@ class _Files:
         self.bench_summary = self.paths.bench_summary
 
 
-def _inputs(stage: str, cfg: dict[str, Any], out_sha: dict[str, str | None]) -> dict[str, Any]:
+def _inputs(stage: str, cfg: dict[str, Any], out_sha: dict[str, str | None], p: _Files) -> dict[str, Any]:
     cluster = dict(cfg.get("cluster") or {})
-    if stage == "export":
-        return {k: cfg.get(k) for k in ("model", "partition", "verify")}
+    if stage == "export":  # the split rule reads the calibration (a run folder's or calibration=PATH)
+        return {**{k: cfg.get(k) for k in ("model", "partition", "verify")},
+                "calibration": _sha_file(p.paths.calibration)}
     if stage == "profile":
         prof = {k: v for k, v in (cfg.get("profile") or {}).items() if k not in _PROFILE_SKIP}
         return {"switchboard": out_sha["export"], "profile": prof, "cluster": {k: cluster.get(k) for k in _HW_KEYS}}
     if stage == "analyze":
         return {"profile": out_sha["profile"]}
-    if stage == "allocate":
+    if stage == "allocate":  # the time-sharing pass and allocate.rate_rps read the calibration
         cluster.pop("slurm", None)
-        return {"profile": out_sha["profile"], "allocate": cfg.get("allocate"), "cluster": cluster}
+        return {"profile": out_sha["profile"], "allocate": cfg.get("allocate"), "cluster": cluster,
+                "calibration": _sha_file(p.paths.calibration)}
     return {
         "plan": out_sha["allocate"],
         "switchboard": out_sha["export"],
@@ -227,7 +231,7 @@ def run_pipeline(cfg: dict[str, Any], run_dir: Path, echo: Echo, run_stage: Call
     failure: str | None = None
     try:
         for stage in PIPELINE:
-            inputs_sha = _sha_json(_inputs(stage, cfg, out_sha))
+            inputs_sha = _sha_json(_inputs(stage, cfg, out_sha, p))
             prev = m["stages"].get(stage) or {}
             have = _output_sha(stage, p)
             if stage == "export" and p.sb_given:

@@ -19,6 +19,7 @@ Rank 0's return value is written as JSON to ``RUN_DIR/<result_name(entry)>``
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -27,13 +28,21 @@ from typing import Any
 from hpcsplit.core import mpi as _mpi
 from hpcsplit.core.detect import bind_rank_devices
 from hpcsplit.core.paths import result_name
+from hpcsplit.errors import RankLeftJob
 from hpcsplit.launch.stages import resolve
 
-__all__ = ["main", "run_rank"]
+__all__ = ["LEFT_JOB_EXIT", "main", "run_rank"]
+
+LEFT_JOB_EXIT = 1  # a rank that left a job going on without it (RankLeftJob); hydra ORs the ranks' codes,
+# so anything else would make a SIGKILLed rank's 137 look like another signal
 
 
 def run_rank(entry: str, cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> Any:
-    """Run ``entry(cfg, run_dir, comm)`` on this rank; on any exception print it and abort the job."""
+    """Run ``entry(cfg, run_dir, comm)`` on this rank; on any exception print it and abort the job.
+
+    :class:`~hpcsplit.errors.RankLeftJob` is the exception: this rank leaves a server that goes on without it
+    (``[Note: serving through faults]`` in :mod:`hpcsplit.runtime.server.failover`), so it exits
+    (:data:`LEFT_JOB_EXIT`, no ``MPI_Finalize``, which would wait for the others) without aborting them."""
     comm = _mpi.get_comm(comm)
     rank = comm.Get_rank()
     try:
@@ -46,6 +55,10 @@ def run_rank(entry: str, cfg: dict[str, Any], run_dir: str, comm: Any | None = N
             path.write_text(json.dumps(out, indent=2, default=str))
         return out
     except BaseException as e:
+        if isinstance(e, RankLeftJob):  # the job goes on without this rank (server mode): no abort
+            sys.stderr.write(f"[rank {rank}] {e}\n")
+            sys.stderr.flush()
+            os._exit(LEFT_JOB_EXIT)
         if isinstance(e, SystemExit):
             if not e.code:
                 raise

@@ -1,7 +1,7 @@
 """SLURM side of the launch layer: submitit parameters, the job function, waiting with progress.
 
-Only :mod:`hpcsplit.launch.app` imports this module; submitit is imported inside functions so that a
-login node without SLURM never needs it.  The job shape and ``#SBATCH`` options come from the
+Only :mod:`hpcsplit.launch.app` and :mod:`hpcsplit.launch.serve_watch` import this module; submitit is
+imported inside functions so that a login node without SLURM never needs it.  The job shape and ``#SBATCH`` options come from the
 cluster's ``slurm:`` block (:class:`~hpcsplit.core.cluster.SlurmSpec`), the waiting from
 :class:`~hpcsplit.launch.stages.SlurmLauncherSettings`; :func:`run_mpi_slurm` builds both from the config.
 
@@ -17,7 +17,8 @@ are submitted ``--no-requeue``: a node failure (``NODE_FAIL``) ends the job inst
 the queue, where it would wait for the lost node.  submitit writes the sbatch script; its
 srun line gets ``--mpi=<srun_mpi> --kill-on-bad-exit=1`` (the setup lines also export
 ``SLURM_MPI_TYPE``), so the tasks form one MPI world and one dead task ends the step instead of
-leaving the others blocked in a collective.  Each task runs :func:`job_main`, which is
+leaving the others blocked in a collective; a server's gets ``--kill-on-bad-exit=0`` instead
+(``[Note: serving through faults]`` in :mod:`hpcsplit.runtime.server.failover`).  Each task runs :func:`job_main`, which is
 ``hpcsplit.launch.rank.run_rank`` (reached by name: that module imports mpi4py, which the login
 side must not): it checks the world size against ``SLURM_NTASKS`` and aborts the whole
 job on any exception.  Rank 0 writes its return value as JSON (``RunPaths.rank_result``); the
@@ -63,7 +64,8 @@ from typing import Any
 from hpcsplit.core.cluster import ClusterSpec, SlurmSpec
 from hpcsplit.core.paths import MPI_INIT_DIR_VAR, RunPaths
 from hpcsplit.core.plan import Plan
-from hpcsplit.errors import ConfigError, LaunchError
+from hpcsplit.errors import ConfigError, JobTimedOut, LaunchError
+from hpcsplit.launch.keeper import server_lost_ranks, serves_through_faults, survival_env
 from hpcsplit.launch.stages import STAGES, SlurmLauncherSettings, cluster_spec, launcher_settings, resolve
 
 __all__ = [
@@ -447,6 +449,9 @@ def submit(
     params = executor_parameters(cluster, stage, ranks, shape, counts, str(folder / "hostfile.$SLURM_JOB_ID"),
                                  requeue=requeueable(stage, cfg))
     params["setup"].append(f"export {MPI_INIT_DIR_VAR}={shlex.quote(str(folder))}/init.$SLURM_JOB_ID")
+    if serves_through_faults(cfg, stage):  # a dead task must not end the step ([Note: serving through faults])
+        params["srun_args"] = ["--kill-on-bad-exit=0" if a == "--kill-on-bad-exit=1" else a for a in params["srun_args"]]
+        params["setup"] += [f"export {k}=${{{k}:-{v}}}" for k, v in survival_env(cfg).items()]
     folder.mkdir(parents=True, exist_ok=True)
     paths.stage_config(stage).write_text(json.dumps(cfg, indent=2, default=str))
     result = paths.rank_result(entry)
@@ -543,7 +548,7 @@ def wait_for_job(
                 limit = (run_t0 - t0) + job.time_min * 60 + 300
             if limit is not None and now - t0 > limit:
                 _scancel(job.job_id)
-                raise LaunchError(
+                raise JobTimedOut(
                     f"gave up waiting for SLURM job {job.job_id} ({job.stage}) after {_fmt(now - t0)} "
                     f"(state {status.state}); cancelled it. Raise launcher.timeout_min or cluster.slurm.time_min. "
                     f"Logs: {job.folder}"
@@ -568,6 +573,11 @@ def wait_for_job(
     deadline = time.monotonic() + _RESULT_GRACE_S
     while status.state == "COMPLETED" and not job.result.exists() and time.monotonic() < deadline:
         time.sleep(0.5)  # shared filesystems may show the file late
+    faults = server_lost_ranks(job.result) if drain_s is not None and job.result.exists() else None
+    if faults is not None:  # a server that served on without some tasks, then ended (stopped, or to start again)
+        echo(f"[hpcsplit] job {job.job_id} {job.stage}: {status.state}: the server served on without "
+             f"{len(faults['lost_ranks'])} lost rank(s), then ended; logs in {job.folder}")
+        return json.loads(job.result.read_text())
     if status.state in ("COMPLETED", "UNKNOWN") and job.result.exists():
         echo(
             f"[hpcsplit] job {job.job_id} {job.stage}: COMPLETED in {_fmt(time.monotonic() - t0)}; "

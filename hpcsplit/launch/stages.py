@@ -64,7 +64,9 @@ class Stage:
         Its SLURM job is checkpointable and requeues itself on a time limit (``launcher.max_requeue``).
     ranks : str or None
         Where an MPI stage's rank count comes from: ``"plan"`` (the plan's world size),
-        ``"profile"`` (``profile.ranks``, else ``launcher.ranks``), ``"launcher"`` (``launcher.ranks``).
+        ``"profile"`` (``profile.ranks``, else ``launcher.ranks``), ``"launcher"`` (``launcher.ranks``),
+        ``"calibrate"`` (``calibrate.ranks``, else ``launcher.ranks``, else 3 locally and 3 per node on at most
+        two nodes under SLURM).
 
     Examples
     --------
@@ -99,6 +101,8 @@ STAGES: dict[str, Stage] = {
         Stage("serve", "hpcsplit.runtime.stage:mpi_main", mpi=True, ranks="plan"),
         Stage("bench", "hpcsplit.runtime.stage:mpi_main", mpi=True, in_all=True, ranks="plan"),
         Stage("probe", "hpcsplit.launch.probe:mpi_main", mpi=True, ranks="launcher"),
+        Stage("calibrate", "hpcsplit.launch.calibrate:mpi_main", mpi=True, ranks="calibrate"),
+        Stage("simulate", "hpcsplit.launch.simulate:run_simulate", mpi=False),
         Stage("sbatch", "hpcsplit.launch.sbatch:run_sbatch", mpi=False),
     )
 }
@@ -106,6 +110,7 @@ STAGE_NAMES = (*STAGES, "all")
 MPI_STAGES = tuple(s.name for s in STAGES.values() if s.mpi)
 PIPELINE = tuple(s.name for s in STAGES.values() if s.in_all)  # stage=all, in this order
 LAUNCHERS = ("local", "slurm")
+CALIBRATE_RANKS_PER_NODE = 3  # stage=calibrate: a frontend and a two-component chain on its node (and as many on one more)
 
 
 def resolve(entry: str) -> Any:
@@ -135,6 +140,8 @@ class LocalLauncherSettings:
     mpiexec_args: tuple[str, ...]
     timeout_min: float | None
     grace_s: float
+    restarts: int
+    restart_backoff_s: float
 
     @classmethod
     def read(cls, c: Checker) -> LocalLauncherSettings:
@@ -149,6 +156,8 @@ class LocalLauncherSettings:
             mpiexec_args=tuple(args),
             timeout_min=c.number("timeout_min", lo=0, lo_open=True, none=True),
             grace_s=c.number("grace_s", lo=0, hi=3600),
+            restarts=c.integer("restarts", lo=0),
+            restart_backoff_s=c.number("restart_backoff_s", lo=0, hi=3600),
         )
 
 
@@ -163,6 +172,8 @@ class SlurmLauncherSettings:
     poll_max_s: float
     progress_s: float
     max_requeue: int
+    restarts: int
+    restart_backoff_s: float
 
     @classmethod
     def read(cls, c: Checker) -> SlurmLauncherSettings:
@@ -174,6 +185,8 @@ class SlurmLauncherSettings:
             poll_max_s=c.number("poll_max_s", lo=0, lo_open=True),
             progress_s=c.number("progress_s", lo=0, lo_open=True),
             max_requeue=c.integer("max_requeue", lo=0),
+            restarts=c.integer("restarts", lo=0),
+            restart_backoff_s=c.number("restart_backoff_s", lo=0, hi=3600),
         )
 
 
@@ -237,8 +250,10 @@ def configured_ranks(stage: Stage, cfg: Mapping[str, Any], launcher: LauncherSet
     ``ranks="plan"`` stages are sized by their plan (:mod:`hpcsplit.launch.app`), not here.
     """
     ranks = launcher.ranks
-    if stage.ranks == "profile":
-        prof = cfg.get("profile")
-        given = prof.get("ranks") if isinstance(prof, Mapping) else None
+    if stage.ranks in ("profile", "calibrate"):
+        node = cfg.get(stage.ranks)
+        given = node.get("ranks") if isinstance(node, Mapping) else None
         ranks = int(given) if given else ranks
+    if stage.ranks == "calibrate" and ranks is None:
+        ranks = CALIBRATE_RANKS_PER_NODE * (min(2, cluster_spec(cfg).nodes) if launcher.name == "slurm" else 1)
     return ranks

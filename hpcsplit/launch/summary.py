@@ -7,6 +7,7 @@ skipped when they are missing, so a partial run still gets a useful summary.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -104,10 +105,23 @@ def _plan(path: Path) -> list[str]:
     if not path.is_file():
         return []
     try:
-        text = Plan.load(path).format()
+        plan = Plan.load(path)
+        text = plan.format()
     except Exception as e:  # noqa: BLE001
         return ["## Plan", "", f"`{path}` could not be read: {e}"]
-    return ["## Plan", "", f"`{path.name}`:", "", "```", text, "```"]
+    out = ["## Plan", "", f"`{path.name}`:", "", "```", text, "```"]
+    choice = plan.meta.get("choice")
+    if isinstance(choice, Mapping) and isinstance(choice.get("candidates"), list):  # allocate.rate_rps
+        out += ["", (f"Chosen by prediction at {choice.get('rate_rps')} req/s within {choice.get('slo_ms')} ms "
+                f"({choice.get('objective')}): {choice.get('why')}"), "",
+                "| candidate | devices | ranks | within SLO | goodput req/s | p50 ms | p99 ms |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in choice["candidates"]:
+            if isinstance(r, Mapping) and "within_slo" in r:
+                out.append(f"| {r.get('candidate')}{' (chosen)' if r.get('chosen') else ''} | {r.get('devices')} | "
+                           f"{r.get('ranks')} | {float(r['within_slo']):.1%} | {float(r['goodput_rps']):.2f} | "
+                           f"{float(r['p50_ms']):.2f} | {float(r['p99_ms']):.2f} |")
+    return out
 
 
 def _bench(result: Mapping[str, Any] | None, paths: RunPaths) -> list[str]:
@@ -150,6 +164,42 @@ def _bench(result: Mapping[str, Any] | None, paths: RunPaths) -> list[str]:
     return out
 
 
+def _simulate(paths: RunPaths) -> list[str]:
+    """Predicted beside measured (``simulate/compare.csv``), else the predictions alone (``stage=simulate``)."""
+    folder = paths.simulate_dir
+    compare, predicted = folder / "compare.csv", folder / "predicted.csv"
+    try:
+        if compare.is_file():
+            with open(compare, newline="") as fh:
+                rows = list(csv.DictReader(fh))
+            out = ["## Simulated vs measured", "",
+                   ("`stage=simulate` of this plan beside the bench (the bench's own levels and schedule; p50 within "
+                   "10 % and p99 within 20 % below saturation, throughput within 10 % past it)."), "",
+                   ("| variant | QPS | p50 ms measured | predicted | error | p99 ms measured | predicted | error "
+                   "| req/s measured | predicted | error | target |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            for r in rows:
+                out.append(
+                    f"| {r['variant']} | {float(r['offered_qps']):g} | {float(r['measured_p50_ms']):.2f} | "
+                    f"{float(r['predicted_p50_ms']):.2f} | {float(r['p50_err_pct']):+.1f}% | "
+                    f"{float(r['measured_p99_ms']):.2f} | {float(r['predicted_p99_ms']):.2f} | "
+                    f"{float(r['p99_err_pct']):+.1f}% | {float(r['measured_qps']):.2f} | {float(r['predicted_qps']):.2f} | "
+                    f"{float(r['qps_err_pct']):+.1f}% | {r['target']}{' (saturated)' if r['saturated'] == 'True' else ''} |")
+            return out
+        if predicted.is_file():
+            with open(predicted, newline="") as fh:
+                rows = list(csv.DictReader(fh))
+            out = ["## Simulated", "", "`stage=simulate` of this plan (no bench of it in this run folder).", "",
+                   "| variant | arrival | QPS | achieved req/s | p50 ms | p90 ms | p99 ms |", "|---|---|---:|---:|---:|---:|---:|"]
+            for r in rows:
+                out.append(f"| {r['variant']} | {r['arrival']} | {float(r['offered_qps']):g} | "
+                           f"{float(r['achieved_qps']):.2f} | {float(r['p50_ms']):.2f} | {float(r['p90_ms']):.2f} | "
+                           f"{float(r['p99_ms']):.2f} |")
+            return out
+    except (OSError, KeyError, ValueError) as e:  # a summary never fails the run
+        return ["## Simulated", "", f"`{folder}` could not be read: {e}"]
+    return []
+
+
 def _stages(manifest: Mapping[str, Any]) -> list[str]:
     out = ["## Stages", "", "| stage | status | wall s | inputs sha256 |", "|---|---|---:|---|"]
     for name, st in (manifest.get("stages") or {}).items():
@@ -188,6 +238,7 @@ def write_summary(
         _profile(profile) if profile else [],
         _plan(plan) if plan else [],
         _bench(bench_result, paths),
+        _simulate(paths),
     ):
         if section:
             lines += [*section, ""]

@@ -394,10 +394,11 @@ def _assign_rows(
 
 
 def profile_components_mpi(
-    switchboard: Any, s: ProfileOptions, out: str | Path, comm: Any
+    switchboard: Any, s: ProfileOptions, out: str | Path, comm: Any, rank_silence_s: float
 ) -> dict[str, Any] | None:
     """:func:`hpcsplit.profiling.stage.mpi_main` without the config: profile ``switchboard`` on every
-    rank of the MPI communicator ``comm``.
+    rank of the MPI communicator ``comm``; a rank silent for ``rank_silence_s`` (``profile.rank_silence_s``)
+    at the final gather is named and the job ends.
 
     Returns rank 0's summary (None on the other ranks).
     """
@@ -463,7 +464,7 @@ def profile_components_mpi(
             progress=s.progress,
             chain_signal=False,
         )
-    summaries = _gather_summaries(comm, summary, out)
+    summaries = _gather_summaries(comm, summary, out, rank_silence_s)
     result = None
     if rank == 0:
         assert summaries is not None
@@ -495,22 +496,29 @@ def profile_components_mpi(
     return result
 
 
-RANK_SILENCE_S = 900.0  # rank 0 names a profiling rank whose part file did not grow for this long
 _TAG_SUMMARY = 7301
 
 
-def _gather_summaries(comm: Any, summary: dict[str, Any], out: Path) -> list[dict[str, Any]] | None:
+def _gather_summaries(comm: Any, summary: dict[str, Any], out: Path,
+                      silence_s: float) -> list[dict[str, Any]] | None:
     """Every rank's summary on rank 0 (None elsewhere), waiting without a spin and with a deadline.
 
     A rank still measuring flushes a cell into its part file at least every few minutes, so rank 0
-    waits as long as each missing rank's part file keeps changing; one silent for ``RANK_SILENCE_S``
-    (stopped, stuck) is named, with its host, in a :class:`ProfileError` and the job aborts.
+    waits as long as each missing rank's part file keeps changing; one silent for ``silence_s``
+    (``profile.rank_silence_s``: stopped, stuck) is named, with its host, in a :class:`ProfileError` and the
+    job aborts.  The other ranks wait for rank 0 to take their summary twice as long, then give up themselves
+    (rank 0 is gone: no rank outlives its job).
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
     if rank != 0:
         req = comm.isend((summary, host), dest=0, tag=_TAG_SUMMARY)
+        t_end = time.monotonic() + 2 * silence_s
         while not req.Test():
+            if time.monotonic() > t_end:
+                raise ProfileError(f"profile: rank {rank} on {host}: rank 0 did not take this rank's summary within "
+                                   f"{2 * silence_s:g} s (profile.rank_silence_s x 2); it is stopped or gone. The "
+                                   "finished cells are kept: run the profile again to measure the rest")
             time.sleep(0.05)  # rank 0 aborts the job if it gives up on us
         return None
     got: dict[int, dict[str, Any]] = {0: summary}
@@ -534,11 +542,12 @@ def _gather_summaries(comm: Any, summary: dict[str, Any], out: Path) -> list[dic
                 m = None
             if m is not None and m != seen.get(r):
                 seen[r], since[r] = m, now
-            if now - since[r] > RANK_SILENCE_S:
+            if now - since[r] > silence_s:
                 raise ProfileError(
                     f"profile: rank {r} wrote no cell to {_part_path(out, r).name} and sent no summary for "
-                    f"{RANK_SILENCE_S:g} s (rank 0 on {host}); it is stopped or stuck. Its finished cells are "
-                    "kept: run the profile again to measure the rest"
+                    f"{silence_s:g} s (profile.rank_silence_s; rank 0 on {host}); it is stopped or stuck. Its "
+                    "finished cells are kept: run the profile again to measure the rest (raise "
+                    "profile.rank_silence_s if one cell takes longer)"
                 )
         time.sleep(0.05)
     return [got[r] for r in range(size)]

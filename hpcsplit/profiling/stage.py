@@ -28,7 +28,7 @@ __all__ = ["SETTINGS", "AnalyzeSettings", "ProfileSettings", "mpi_main", "run_an
 # the keys of conf/profile/default.yaml
 PROFILE_KEYS = (
     "path", "max_batch", "batch_sizes", "slices_gb", "threads", "device", "warmup", "iters",
-    "util_window_ms", "util_sample_ms", "components", "ranks", "progress", "analysis_dir",
+    "util_window_ms", "util_sample_ms", "components", "ranks", "progress", "analysis_dir", "rank_silence_s",
 )  # fmt: skip
 
 
@@ -41,6 +41,8 @@ class ProfileSettings(ProfileOptions):
     kind from ``profile.device`` and what this machine has.  ``path``, ``ranks`` and ``analysis_dir``
     are read by :class:`~hpcsplit.core.paths.RunPaths`, the launcher and :class:`AnalyzeSettings`.
     """
+
+    rank_silence_s: float  # the final gather names a rank silent this long (``profile.rank_silence_s``)
 
     CONFIG_KEYS: ClassVar[tuple[str, ...]] = PROFILE_KEYS
 
@@ -90,6 +92,7 @@ class ProfileSettings(ProfileOptions):
                                   or not all(isinstance(n, str) for n in comps)):
             c.problem(f"profile.components = {comps!r}: needs a list of component names or null")
         progress = c.boolean("progress")
+        silence = c.number("rank_silence_s", lo=0, lo_open=True)
         cores = cluster.get("cores_per_node") or cores_here()
         c.done()
         return cls(
@@ -103,6 +106,7 @@ class ProfileSettings(ProfileOptions):
             cores_per_node=int(cores),
             components=tuple(comps) if comps else None,
             progress=progress,
+            rank_silence_s=silence,
         )
 
 
@@ -176,7 +180,7 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
 
     s = ProfileSettings.from_config(cfg)
     paths = RunPaths.from_config(cfg, run_dir)
-    return profile_components_mpi(paths.switchboard, s, paths.profile, mpi.get_comm(comm))
+    return profile_components_mpi(paths.switchboard, s, paths.profile, mpi.get_comm(comm), s.rank_silence_s)
 
 
 def run_analyze(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:

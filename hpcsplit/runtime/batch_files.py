@@ -13,24 +13,16 @@ file is replaced only when it is an earlier hpcsplit outputs file (HDF5 attribut
 :data:`MARKER`) or ``runtime.overwrite`` is true.
 
 Batch mode itself streams (``[Note: streaming batch mode]`` in :mod:`hpcsplit.runtime.batch_stream`:
-chunked inputs, a resumable outputs file); the whole-file readers and :class:`OutputWriter` here serve
-small files and callers that hold their rows in memory.
-
-A job can be killed outright (a rank SIGKILLed: hydra then kills every rank at once), so the outputs
-are written as they finish (:class:`OutputWriter`): an HDF5 file of fixed-size contiguous datasets,
-rows written first and their ``done`` flags after them, flushed at most every
-:data:`FLUSH_EVERY_S`; the file on disk is readable at any moment and its ``done`` rows are whole.  An
-``.npz`` cannot grow, so it is written at the end (or on error) from the stream kept next to it in
-``<output>.partial.h5``, which is removed once the ``.npz`` is there.
+chunked inputs, a resumable outputs file written as rows finish, each with its latency, so that a job
+killed outright loses only the rows in flight); the whole-file readers and writer here serve small files
+and callers that hold their rows in memory.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,11 +31,10 @@ from hpcsplit.core.hdf5 import open_self_contained
 from hpcsplit.errors import RuntimeStageError
 from hpcsplit.switchboard.layout import TensorSpec
 
-__all__ = ["FLUSH_EVERY_S", "MARKER", "OutputWriter", "check_array_meta", "check_output_path", "host_row",
+__all__ = ["MARKER", "check_array_meta", "check_output_path", "host_row",
            "read_inputs", "write_outputs"]
 
 MARKER = "hpcsplit_outputs"  # HDF5 attribute / .npz entry naming an hpcsplit batch outputs file
-FLUSH_EVERY_S = 0.5
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -204,80 +195,6 @@ def write_outputs(path: str | Path, names: tuple[str, ...], arrays: list[np.ndar
             f.attrs[MARKER] = True
         os.replace(tmp, path)
     return path
-
-
-class OutputWriter:
-    """Batch outputs written as requests finish (``[Note: batch outputs on disk]``).
-
-    Call :meth:`row` for each finished request, :meth:`close` at the end (with the session's final
-    ``done`` and latencies); :attr:`stream` is the HDF5 file on disk while the job runs.
-    """
-
-    def __init__(self, path: str | Path, names: tuple[str, ...], n: int) -> None:
-        self.path = Path(path)
-        self.names = names
-        self.n = n
-        self.stream = self.path if self.path.suffix != ".npz" else self.path.with_name(self.path.name + ".partial.h5")
-        self.arrays: list[np.ndarray | None] = [None] * len(names)
-        self.done = np.zeros(n, dtype=bool)
-        self.latency_ms = np.full(n, np.nan)
-        self._new: list[int] = []
-        self._t0 = time.perf_counter()
-        self._last_flush = self._t0
-        import h5py
-
-        try:
-            self._f: Any = h5py.File(self.stream, "w", locking=False)
-        except OSError as e:
-            raise RuntimeStageError(f"runtime.output_path={self.path}: cannot create {self.stream} ({e})") from e
-        self._f.attrs["outputs"] = list(names)
-        self._f.attrs[MARKER] = True
-        self._f.create_dataset("done", data=self.done)
-        self._f.create_dataset("latency_ms", data=self.latency_ms)
-        self._f.flush()
-
-    def row(self, i: int, rows: list[np.ndarray]) -> None:
-        """Request ``i`` finished with one array per output."""
-        for j, r in enumerate(rows):
-            a = self.arrays[j]
-            if a is None:
-                a = self.arrays[j] = np.zeros((self.n, *r.shape), dtype=r.dtype)
-                self._f.create_dataset(self.names[j].replace("/", "_"), shape=a.shape, dtype=a.dtype)
-            a[i] = r
-        self.done[i] = True
-        self.latency_ms[i] = (time.perf_counter() - self._t0) * 1e3
-        self._new.append(i)
-        if time.perf_counter() - self._last_flush > FLUSH_EVERY_S:
-            self.flush()
-
-    def flush(self) -> None:
-        """Rows first, then their ``done`` flags, each flushed: the file's done rows are whole."""
-        if self._f is None or not self._new:
-            return
-        idx = sorted(self._new)
-        self._new = []
-        for j, a in enumerate(self.arrays):
-            if a is not None:
-                self._f[self.names[j].replace("/", "_")][idx] = a[idx]
-        self._f.flush()
-        self._f["done"][idx] = True
-        self._f["latency_ms"][idx] = self.latency_ms[idx]
-        self._f.flush()
-        self._last_flush = time.perf_counter()
-
-    def close(self, done: np.ndarray | None = None, latency_ms: np.ndarray | None = None) -> Path:
-        """Write the final file (``done`` / ``latency_ms``: the session's, where known) and return its path."""
-        if done is not None:
-            self.done = np.asarray(done, dtype=bool) & self.done
-        if latency_ms is not None:
-            self.latency_ms = np.where(self.done, latency_ms, np.nan)
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        write_outputs(self.path, self.names, self.arrays, self.done, self.latency_ms)
-        if self.stream != self.path:
-            self.stream.unlink(missing_ok=True)
-        return self.path
 
 
 def host_row(r: torch.Tensor, rdim: int) -> np.ndarray:

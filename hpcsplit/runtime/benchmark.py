@@ -11,6 +11,8 @@ and QPS: achieved QPS, success rate, p50/p90/p99), ``improvement.csv`` (the prot
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import math
 import os
 import time
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcsplit.core.load import level_arrivals
 from hpcsplit.core.profile_format import read_profile
 from hpcsplit.runtime.context import RankContext, say
 from hpcsplit.runtime.frontend import Frontend, request_getter
@@ -48,9 +51,16 @@ def _append_level(path: Path, s: LevelSummary) -> None:
 
 
 def start_levels(ctx: RankContext) -> None:
-    """Empty ``RunPaths.bench_levels`` before the first level of a bench run."""
+    """Empty ``RunPaths.bench_levels`` before the first level of a bench run, and write ``RunPaths.bench_record``
+    (what ``stage=simulate`` needs to simulate the same levels: the plan's hash, the schedule, the policy)."""
     ctx.paths.bench_levels.parent.mkdir(parents=True, exist_ok=True)
     ctx.paths.bench_levels.write_text("")
+    b, rt = ctx.bench, ctx.runtime
+    record = {"plan_sha256": hashlib.sha256(ctx.paths.plan.read_bytes()).hexdigest(), "qps": list(b.qps),
+              "duration_s": b.duration_s, "min_requests": b.min_requests, "arrival": b.arrival, "seed": b.seed,
+              "request_timeout_s": b.request_timeout_s or rt.request_timeout_s, "max_inflight": rt.max_inflight,
+              "max_wait_ms": rt.max_wait_ms}
+    ctx.paths.bench_record.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
@@ -66,8 +76,7 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
         fe.run(arrival_times(b.qps[0], b.warmup_s, "constant"), get, None, timeout, rt.max_inflight)
     levels, raw, windows = [], [], []
     for i, q in enumerate(b.qps):
-        dur = max(b.duration_s, b.min_requests / q)  # enough requests for a p50 at low load
-        arr = arrival_times(q, dur, b.arrival, b.seed + i)
+        arr = level_arrivals(q, i, b.duration_s, b.min_requests, b.arrival, b.seed)
         w0 = time.time()
         res = fe.run(arr, get, None, timeout, rt.max_inflight)
         windows.append((w0, time.time()))

@@ -18,8 +18,10 @@ import numpy as np
 import torch
 
 from hpcsplit.core.device import free_device_copy, is_oom, time_latency_ms
+from hpcsplit.core.grouping import GROUP_SEP, group_members
 from hpcsplit.core.mpi import MPI
-from hpcsplit.errors import RuntimeStageError, VerificationError
+from hpcsplit.errors import RankLeftJob, RuntimeStageError, VerificationError
+from hpcsplit.runtime import faults
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import Batcher, JoinBuffer, ReadyRequest, Row, stack_rows, take_requests
@@ -84,6 +86,8 @@ def serve_component(
     row_errors: bool = False,
     spin_s: float = mb.SPIN_S,
     stats_every_s: float | None = None,
+    silence_s: float | None = None,
+    quiet_limit_s: float | None = None,
 ) -> dict[str, Any]:
     """Serve component ``name`` on this rank until the frontend sends STOP; return counters.
 
@@ -98,6 +102,12 @@ def serve_component(
     ``stats_every_s`` (server mode): this often, when they changed, the counters go to rank 0 as a
     ``KIND_CONTROL`` message (``aux`` = the component's index; int64 batches, samples, compute us,
     largest batch, failed rows), which the server shows at ``/metrics``.
+
+    ``silence_s`` (server mode, ``[Note: serving through faults]`` in :mod:`hpcsplit.runtime.server.failover`):
+    the counters also go every ``silence_s`` / 5 when they did not change (this rank's heartbeat); the
+    frontend's ``CONTROL_LOST`` messages name the ranks lost (nothing is sent to them, no STOP awaited from
+    them); once the frontend's heartbeats have begun, ``silence_s`` without a word from it makes this rank
+    leave the job (:class:`RankLeftJob`), ``quiet_limit_s`` after it said its heartbeats end.
     """
     rank = comm.Get_rank()
     flow = df.component(name)
@@ -118,22 +128,39 @@ def serve_component(
     t_start, cpu_start = time.perf_counter(), cpu_seconds()
     db = mb._DOORBELL
     db_start = db.wakeups if db is not None else 0
-    stops_needed = set(df.upstream_ranks(name))
+    lost = set(faults.lost_ranks())
+    stops_needed = set(df.upstream_ranks(name)) - lost
     stopping = False
     next_expire = t_start + 1.0
-    next_stats, sent_batches = t_start + (stats_every_s or 0.0), -1
+    beat_s = silence_s / 5 if silence_s else None
+    every_s = min(stats_every_s or 1e9, beat_s or 1e9)
+    next_stats, next_beat, sent_batches = t_start + every_s, t_start, -1
+    heard0: float | None = None  # the frontend's last message, once its heartbeats began (server mode)
+    limit0 = silence_s
     # CUDA kernels run asynchronously: the compute span ends when the stream is done, not when the
     # launches return (the send would synchronise anyway, see buffers.send_buffer)
     cuda_sync = torch.cuda.current_stream(device).synchronize if getattr(device, "type", "") == "cuda" else None
     with torch.inference_mode():
         while True:
             worked = False
+            from0 = False
             for m, t_hdr in inbox.poll():
                 worked = True
                 h = m.header
+                from0 = from0 or m.source == 0
                 if h.kind == tp.KIND_STOP:
                     stops_needed.discard(m.source)
                     stopping = not stops_needed
+                    continue
+                if h.kind == tp.KIND_CONTROL and m.source == 0 and h.aux < 0:  # [Note: serving through faults]
+                    if h.aux == faults.CONTROL_LOST:
+                        _lost(m, lost, rank, name, inbox, outbox)
+                        stops_needed -= lost
+                        stopping = stopping or not stops_needed  # every rank upstream is lost: nothing comes
+                    elif h.aux == faults.CONTROL_QUIET:
+                        limit0 = quiet_limit_s
+                    if heard0 is not None or h.aux == faults.CONTROL_ALIVE:  # heartbeats began: watch them
+                        heard0 = time.perf_counter()
                     continue
                 if h.kind != tp.KIND_DATA:
                     continue
@@ -177,15 +204,23 @@ def serve_component(
                 # [Note: critical path in the run] aux of a data message = the longest chain of
                 # compute (us) behind it: upstream's longest + ours.  Exact per request at batch 1.
                 path_us = max(it.path_us for it in items) + int((t1 - t0) * 1e6)
-                _send_outputs(comm, outbox, groups, items, outs, flow.out_bdims, tracer, path_us)
+                _send_outputs(comm, outbox, groups, items, outs, flow.out_bdims, tracer, path_us, lost)
             outbox.reap()
+            if heard0 is not None:
+                if from0:
+                    heard0 = now
+                elif limit0 is not None and now - heard0 > limit0:
+                    raise RankLeftJob(f"rank {rank} component {name!r}: nothing from the frontend (rank 0) for "
+                                      f"{now - heard0:.1f} s (runtime.silence_s): the job lost its frontend; this "
+                                      "rank leaves it")
             if now > next_expire:
                 next_expire = now + 1.0
                 stats["expired"] += len(join.expire(now, request_timeout_s))
             if stats_every_s is not None and now >= next_stats and not stopping:
-                next_stats = now + stats_every_s
-                if stats["batches"] != sent_batches:
+                next_stats = now + every_s
+                if stats["batches"] != sent_batches or (beat_s is not None and now >= next_beat):
                     sent_batches = stats["batches"]
+                    next_beat = now + (beat_s or 0.0)
                     live = torch.tensor([stats["batches"], stats["requests"], int(stats["compute_s"] * 1e6),
                                          stats["max_batch"], stats["row_errors"]], dtype=torch.int64)
                     outbox.add(tp.isend_message(comm, 0, tp.KIND_CONTROL, (), (), [(0, live)],
@@ -195,7 +230,8 @@ def serve_component(
                 if not outbox.drain(timeout_s=120.0):
                     say(rank, f"{name}: {len(outbox.pending)} send(s) still not received 120 s after STOP")
                 for r in df.downstream_ranks(name):
-                    outbox.add(tp.isend_message(comm, r, tp.KIND_STOP), r)
+                    if r not in lost:
+                        outbox.add(tp.isend_message(comm, r, tp.KIND_STOP), r)
                 outbox.drain(timeout_s=120.0)
                 break
             sig = stop_signal()  # [Note: stop signals]: the frontend saves and aborts; if it cannot, we stop
@@ -216,9 +252,22 @@ def serve_component(
     return stats
 
 
+def _lost(m: tp.Message, lost: set[int], rank: int, name: str, inbox: mb.Inbox, outbox: mb.Outbox) -> None:
+    """The frontend's ``CONTROL_LOST``: the ranks lost so far; this rank among them leaves the job."""
+    named = {int(r) for r in m.tensors[0].tolist()} if m.tensors else set()
+    for r in named:
+        faults.mark_lost(r, "declared lost by the frontend")
+    if rank in named:
+        raise RankLeftJob(f"rank {rank} component {name!r}: the frontend declared this rank lost (silent for longer "
+                          "than runtime.silence_s); it leaves the job, which goes on without it")
+    lost |= named
+    inbox.forget(lost)
+    outbox.forget(lost)
+
+
 def _send_outputs(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: list[ReadyRequest],
                   outs: tuple[Any, ...], out_bdims: tuple[tuple[int, ...], ...], tracer: Tracer,
-                  path_us: int = 0) -> None:
+                  path_us: int = 0, skip: set[int] | frozenset[int] = frozenset()) -> None:
     t0 = time.perf_counter()
     ids = [it.request_id for it in items]
     routes = [it.route for it in items]
@@ -227,6 +276,8 @@ def _send_outputs(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: 
         for k, route in enumerate(routes):
             by_rank.setdefault(0 if ci is None else route[ci], []).append(k)
         for dest, pos in by_rank.items():
+            if dest in skip:  # a lost replica ([Note: serving through faults]): the frontend sends these again
+                continue
             sel = [(slot, take_requests(outs[j], out_bdims[j], pos), out_bdims[j][0]) for j, slot in pairs]
             outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
                                         [routes[k] for k in pos], sel, aux=path_us), dest)
@@ -307,16 +358,38 @@ def _load_callable(ctx: RankContext, name: str) -> Any:
     return fn
 
 
-def _example_inputs(ctx: RankContext, name: str, batch: int) -> tuple[torch.Tensor, ...]:
+def _group_callable(ctx: RankContext, flow: Any) -> Callable[..., tuple[Any, ...]]:
+    """A group's members run back to back (``[Note: component groups]``): inputs and outputs in ``flow``'s order."""
+    sb = ctx.switchboard
+    steps = [(_load_callable(ctx, m), [t.name for t in sb.components[m].inputs], [t.name for t in sb.components[m].outputs])
+             for m in group_members(flow.name, sb.order)]
+    ins, outs = tuple(flow.inputs), tuple(flow.outputs)
+
+    def run(*args: Any) -> tuple[Any, ...]:
+        env = dict(zip(ins, args, strict=True))
+        for fn, m_in, m_out in steps:
+            env.update(zip(m_out, as_tuple(fn(*[env[n] for n in m_in])), strict=True))
+        return tuple(env[n] for n in outs)
+
+    return run
+
+
+def _example_inputs(ctx: RankContext, name: str, batch: int, flow: Any = None) -> tuple[torch.Tensor, ...]:
+    sb = ctx.switchboard
     if name == WHOLE:
-        return tuple(ctx.switchboard.example_inputs(batch))
-    return tuple(ctx.switchboard.component_example_inputs(batch)[name])
+        return tuple(sb.example_inputs(batch))
+    if GROUP_SEP in name:  # the members' example activations that come from outside the group
+        acts = sb.component_example_inputs(batch)
+        env = {t.name: x for m in group_members(name, sb.order) for t, x in zip(sb.components[m].inputs, acts[m],
+                                                                                 strict=True)}
+        return tuple(env[n] for n in flow.inputs)
+    return tuple(sb.component_example_inputs(batch)[name])
 
 
 def _check_component(ctx: RankContext, df: Dataflow, name: str, fn: Callable[..., Any], batch: int) -> float:
     """Run ``fn`` once on the switchboard's example activations; check output count, batch and finiteness."""
     flow = df.component(name)
-    args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, batch))
+    args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, batch, flow))
     t0 = time.perf_counter()
     with torch.inference_mode():
         outs = as_tuple(fn(*args))
@@ -340,7 +413,7 @@ def _measure_floor(ctx: RankContext, df: Dataflow, vname: str, name: str, fn: Ca
     for turn in floor_turns(ctx, df, vname):
         if turn == ctx.rank:
             n = ctx.bench.floor_runs
-            args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1))
+            args = tuple(a.to(ctx.device) for a in _example_inputs(ctx, name, 1, df.component(name)))
             samples = time_latency_ms(fn, args, warmup=2, iters=n, device=ctx.device)  # the profile's timer
             say(ctx.rank, f"{vname}: {name!r} batch of one, back to back: p50 {float(np.median(samples)):.2f} ms "
                           f"({n} runs)")
@@ -356,7 +429,7 @@ def load_variant(ctx: RankContext, df: Dataflow, vname: str, name: str, slice_gb
     """
     rank = ctx.rank
     try:
-        fn = _load_callable(ctx, name)
+        fn = _group_callable(ctx, df.component(name)) if GROUP_SEP in name else _load_callable(ctx, name)
         if ctx.runtime.verify:
             bs = df.batch_size_of(rank)
             dt = _check_component(ctx, df, name, fn, bs)
@@ -388,17 +461,22 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         floor = _measure_floor(ctx, df, vname, name, fn)
         fn = with_fault(fn, rt.fault, name)
         ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s)
+        server = rt.mode == "server"
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), rt.max_wait_ms / 1e3,
                              rt.request_timeout_s, tracer, ctx.device, rt.abort_grace_s, rt.idle_sleep_ms / 1e3,
-                             row_errors=rt.mode == "batch", stats_every_s=1.0 if rt.mode == "server" else None,
-                             spin_s=ctx.spin_s)
+                             row_errors=rt.mode == "batch", stats_every_s=1.0 if server else None,
+                             spin_s=ctx.spin_s, silence_s=rt.silence_s if server else None,
+                             quiet_limit_s=rt.wait_bound_s)
         st["variant"] = vname
+        if vname != variants[-1][0]:  # a rank stopped in this variant is named within wait_bound_s, not the
+            ctx.barrier(f"{vname}: serving ended", rt.wait_bound_s)  # next variant's load_timeout_s
         if floor:
             st["floor_samples_ms"] = floor
         all_stats.append(st)
         if ctx.on_gpu:  # the next variant's program gets this one's memory (the slice cap counts cached blocks)
             del fn
-            free_device_copy(ctx.switchboard, name, ctx.device)
+            for m in group_members(name, ctx.switchboard.order) if GROUP_SEP in name else (name,):
+                free_device_copy(ctx.switchboard, m, ctx.device)
     tracer.write(ctx.paths.trace_dir)
     # counters and up to 2 x 20,000 batch-1 compute samples per variant (a few hundred KB; no tensors)
     req = comm.isend(all_stats, dest=0, tag=TAG_STATS)

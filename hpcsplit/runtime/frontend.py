@@ -25,7 +25,7 @@ from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import take_requests
-from hpcsplit.runtime.faults import JobInterrupted, stop_signal
+from hpcsplit.runtime.faults import JobInterrupted, lost_ranks, stop_signal
 from hpcsplit.runtime.routing import INPUT, Dataflow, Router
 from hpcsplit.runtime.trace import Tracer
 
@@ -351,8 +351,10 @@ class Frontend:
         Outputs still on their way (of timed-out requests) are received and dropped later by
         :meth:`drop_strays`, which the caller keeps calling until the components report back.
         """
+        lost = lost_ranks()  # [Note: lost ranks]: STOP goes to the survivors only
         for r in self.df.entry_ranks():
-            self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP), r)
+            if r not in lost:
+                self.outbox.add(tp.isend_message(self.comm, r, tp.KIND_STOP), r)
         self.outbox.drain(timeout_s=timeout_s)
 
     def drop_strays(self) -> int:

@@ -36,7 +36,7 @@ from hpcsplit.runtime.batch_stream import (
 )
 from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
-from hpcsplit.runtime.faults import JobInterrupted, RankSilentError, chain_requeue
+from hpcsplit.runtime.faults import JobInterrupted, RankSilentError, chain_requeue, lost_ranks
 from hpcsplit.runtime.frontend import STATUS_ERROR, STATUS_TIMEOUT, Frontend, SessionResult, request_getter
 from hpcsplit.runtime.routing import Dataflow
 from hpcsplit.runtime.server.serve import run_server
@@ -100,7 +100,7 @@ def _collect_stats(ctx: RankContext, fe: Frontend) -> list[dict[str, Any]]:
         fe.drop_strays()  # late outputs of timed-out requests: receive and drop them
         return bool(comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STATS, status=st))
 
-    missing = set(range(1, comm.Get_size()))
+    missing = set(range(1, comm.Get_size())) - set(lost_ranks())  # [Note: lost ranks]
     bound = ctx.runtime.wait_bound_s
     t_end = time.monotonic() + bound
     while missing:
@@ -158,8 +158,12 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
         finally:
             next_id = fe.next_id
         fe.stop_all(rt.wait_bound_s)
+        if vname != variants[-1][0]:  # a rank stopped in this variant is named within wait_bound_s
+            ctx.barrier(f"{vname}: serving ended", rt.wait_bound_s, fe.drop_strays)
     assert fe is not None
     summary["ranks"] = _collect_stats(ctx, fe)
+    if lost_ranks():
+        summary["lost_ranks"] = {str(r): f"{ctx.name(r)}: {why}" for r, why in sorted(lost_ranks().items())}
     batch1: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (variant, component) -> (end, ms)
     floor_now: dict[str, list[float]] = {}  # split component -> ms, [Note: floor re-measured]
     for st in summary["ranks"]:

@@ -237,6 +237,10 @@ class Inbox:
         self.pending = still
         return done
 
+    def forget(self, ranks: set[int]) -> None:
+        """Drop the half-received messages from ``ranks`` (lost: their payloads never come)."""
+        self.pending = [h for h in self.pending if h.source not in ranks]
+
 
 class Outbox:
     """Outstanding sends; :meth:`reap` drops the finished ones (their tensors may then be freed).
@@ -288,6 +292,10 @@ class Outbox:
         if len(p) > 1 and self._calls % 64 == 0:
             self.pending = p = deque(x for x in p if self._open(x))
         return len(p)
+
+    def forget(self, ranks: set[int]) -> None:
+        """Stop waiting for the sends to ``ranks`` (lost: they are never received)."""
+        self.pending = deque(x for x in self.pending if x[1] not in ranks)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         def _all() -> bool:

@@ -21,12 +21,19 @@ from hpcsplit.errors import PlanError, RuntimeStageError
 from hpcsplit.runtime.component import run_component_rank
 from hpcsplit.runtime.context import RankContext, barrier, say
 from hpcsplit.runtime.doorbell import start_doorbell
-from hpcsplit.runtime.faults import describe_rank, install_stop_signals
+from hpcsplit.runtime.faults import (
+    describe_rank,
+    install_stop_signals,
+    leave_degraded_job,
+    lost_ranks,
+    set_job_processes,
+)
 from hpcsplit.runtime.frontend_rank import run_frontend
 from hpcsplit.runtime.routing import (
     Dataflow,
     build_dataflow,
     graph_from_switchboard,
+    served_graph,
     whole_graph_of,
     whole_plan,
 )
@@ -35,7 +42,9 @@ from hpcsplit.runtime.threads import ThreadChoice
 from hpcsplit.runtime.transport import cuda_aware_mpi, set_node_peers
 from hpcsplit.switchboard.reader import Switchboard
 
-__all__ = ["bind_device", "run_rank"]
+__all__ = ["STAGE_ENTRY", "bind_device", "run_rank"]
+
+STAGE_ENTRY = "hpcsplit.runtime.stage:mpi_main"  # the entry point of the ranks (its result file's name)
 
 
 def bind_device(plan: Plan, entry: RankEntry, rank: int) -> torch.device:
@@ -100,8 +109,8 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     whole_only = rt.mode == "server" and rt.server_model == "whole"  # the unsplit baseline behind the endpoint
     if rt.mode == "bench" or whole_only:
         variants.append(("whole", build_dataflow(whole_plan(plan), whole_graph_of(graph))))
-    if not whole_only:
-        variants.append(("split", build_dataflow(plan, graph)))
+    if not whole_only:  # the plan's groups (or the whole model) as it serves them
+        variants.append(("split", build_dataflow(plan, served_graph(graph, plan))))
     if rank == 0:
         say(rank, "plan:\n" + plan.format())
         for vname, df in variants:
@@ -110,7 +119,9 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     # (and, at the end, its close and MPI_Finalize) do not spin while a slower rank loads or plots
     barrier(comm, timeout_s=rt.load_timeout_s, what="loading the switchboard",
             name=lambda r: describe_rank(plan, r))
-    hosts = tuple(str(h) for h in comm.allgather(socket.gethostname()))
+    procs = [(str(h), int(p)) for h, p in comm.allgather((socket.gethostname(), os.getpid()))]
+    set_job_processes(procs)  # [Note: lost ranks]
+    hosts = tuple(h for h, _ in procs)
     set_node_peers(comm, [r for r, h in enumerate(hosts) if h == hosts[rank]])  # the transport's inline limits
     ctx = RankContext(comm=comm, rank=rank, runtime=rt, bench=bench, plan=plan, entry=entry, switchboard=sb,
                       paths=paths, device=device, threads=threads, hosts=hosts)
@@ -125,6 +136,8 @@ def run_rank(comm: _mpi.MPI.Comm, rt: RuntimeSettings, bench: BenchSettings, pat
     else:
         run_component_rank(ctx, variants)
     ctx.barrier("the end of the job", rt.wait_bound_s)
-    if db is not None:  # collective, so only on success: a failing rank aborts the whole job instead
+    if lost_ranks():  # a server that lost replicas: [Note: lost ranks] in hpcsplit.runtime.faults
+        leave_degraded_job(comm, paths.rank_result(STAGE_ENTRY) if rank == 0 else None, out)
+    if db is not None and not lost_ranks():  # collective: only on success, with every rank there
         db.close()
     return out

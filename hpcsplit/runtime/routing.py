@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hpcsplit.core.grouping import GROUP_SEP, group_members, merge_groups
 from hpcsplit.core.plan import Plan, RankEntry
+from hpcsplit.core.policy import ReplicaRouter
 from hpcsplit.errors import PlanError
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
     "build_dataflow",
     "critical_path_ms",
     "graph_from_switchboard",
+    "group_graph",
+    "served_graph",
     "whole_graph",
     "whole_graph_of",
     "whole_plan",
@@ -311,6 +315,35 @@ def graph_from_switchboard(sb: Any) -> GraphSpec:
     )
 
 
+def group_graph(graph: GraphSpec, served: Sequence[str]) -> GraphSpec:
+    """``graph`` with the groups among the ``served`` names merged (``[Note: component groups]`` in
+    :mod:`hpcsplit.core.grouping`): a rank serving ``a+b`` runs components ``a`` and ``b`` back to back.
+
+    Examples
+    --------
+    >>> g = GraphSpec(("x",), ("y",), (("a", ("x",), ("p",)), ("b", ("x",), ("q",)), ("h", ("p", "q"), ("y",))),
+    ...               (("input", "x", "a", "x"), ("input", "x", "b", "x"), ("a", "p", "h", "p"),
+    ...                ("b", "q", "h", "q"), ("h", "y", "output", "y")))
+    >>> [c[0] for c in group_graph(g, ["a+b", "h"]).components]
+    ['a+b', 'h']
+    """
+    order = [c[0] for c in graph.components]
+    groups = {n: group_members(n, order) for n in dict.fromkeys(served) if GROUP_SEP in n}
+    comps, edges = merge_groups(graph.components, graph.edges, groups)
+    return GraphSpec(graph.inputs, graph.outputs, comps, edges, dict(graph.batch_dims))
+
+
+def served_graph(graph: GraphSpec, plan: Plan) -> GraphSpec:
+    """The graph the plan's ranks serve: as it is, with the plan's groups merged, or the unsplit model when the
+    plan serves only ``whole`` (an allocation that chose not to split, ``allocate.rate_rps``)."""
+    served = [r.component for r in plan.ranks if r.component is not None]
+    if served and set(served) == {WHOLE}:
+        return whole_graph_of(graph)
+    if any(GROUP_SEP in c for c in served):
+        return group_graph(graph, served)
+    return graph
+
+
 def whole_graph_of(graph: GraphSpec) -> GraphSpec:
     """:func:`whole_graph` with the model's batch dims kept."""
     g = whole_graph(graph.inputs, graph.outputs)
@@ -353,15 +386,15 @@ def whole_plan(plan: Plan) -> Plan:
     )
 
 
-class Router:
+class Router(ReplicaRouter):
     """Join-shortest-queue routing: each request goes to the replica with fewest outstanding requests.
 
-    Pure bookkeeping (no MPI): :meth:`assign` picks one rank per component and counts it outstanding;
-    :meth:`release` un-counts a finished (or failed) request.  Ties go to a replica that has not timed
-    out since its last success, then to the bigger replica (GPU slice or CPU threads, when replicas
-    differ), then to the one used least recently, so idle replicas share the load in turn.  (Keeping
-    one replica warm instead was tried: CLIP on the 2-core VM at 2 req/s, five alternating runs each,
-    split p50 143 ms taking turns vs 152 ms always the last one used, within the noise but not better.)
+    The frontend's router over a :class:`Dataflow`: :class:`~hpcsplit.core.policy.ReplicaRouter` (the code the
+    simulator routes with too).  Ties go to a replica that has not timed out since its last success, then to
+    the bigger replica (GPU slice or CPU threads, when replicas differ), then to the one used least recently,
+    so idle replicas share the load in turn.  (Keeping one replica warm instead was tried: CLIP on the 2-core
+    VM at 2 req/s, five alternating runs each, split p50 143 ms taking turns vs 152 ms always the last one
+    used, within the noise but not better.)
 
     Examples
     --------
@@ -375,37 +408,9 @@ class Router:
     """
 
     def __init__(self, dataflow: Dataflow) -> None:
-        self._replicas = [tuple(c.replicas) for c in dataflow.components]
-        self.outstanding: dict[int, int] = {r: 0 for reps in self._replicas for r in reps}
-        self._last: dict[int, int] = dict.fromkeys(self.outstanding, -1)
-        self._size: dict[int, float] = {r: s for c in dataflow.components
-                                         for r, s in zip(c.replicas, c.sizes or [0.0] * len(c.replicas),
-                                                         strict=True)}
-        self._suspect: set[int] = set()  # on the route of a timed-out request, no success since
-        self._tick = 0
-
-    def assign(self) -> tuple[int, ...]:
-        route = []
-        for reps in self._replicas:
-            if len(reps) == 1:
-                best = reps[0]
-            else:
-                best = min(reps, key=lambda r: (self.outstanding[r], r in self._suspect, -self._size[r],
-                                                self._last[r]))
-            self.outstanding[best] += 1
-            self._tick += 1
-            self._last[best] = self._tick
-            route.append(best)
-        return tuple(route)
-
-    def release(self, route: Sequence[int], failed: bool = False) -> None:
-        """Un-count a request; ``failed`` (it timed out) makes its replicas lose ties until one succeeds."""
-        for r in route:
-            self.outstanding[r] -= 1
-        if failed:
-            self._suspect.update(route)
-        elif self._suspect:
-            self._suspect.difference_update(route)
+        super().__init__([tuple(c.replicas) for c in dataflow.components],
+                         {r: s for c in dataflow.components
+                          for r, s in zip(c.replicas, c.sizes or [0.0] * len(c.replicas), strict=True)})
 
 
 def critical_path_ms(graph: GraphSpec, latency_ms: dict[str, float]) -> float:

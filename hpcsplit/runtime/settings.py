@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from hpcsplit.core.load import ARRIVALS
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.errors import ConfigError
 
@@ -130,10 +131,13 @@ class RuntimeSettings:
     server_workers: int | None  # protocol worker processes (None: one per spare core of the frontend's node)
     tls_cert: str | None  # server mode: PEM certificate chain (with tls_key: HTTPS and gRPC over TLS)
     tls_key: str | None
+    server_token_file: str | None  # server mode: require the token in this file (None: a new one per job)
+    server_port_fallback: bool  # server mode: when the given ports are taken, listen on free ones
+    silence_s: float  # server mode: a replica heard nothing from this long is lost ([Note: serving through faults])
 
     _NULLABLE = frozenset({"mode", "threads", "omp_wait_policy", "trace", "input_path", "output_path", "fault",
                            "doorbell_network", "chunk_rows", "max_failures", "spin_us",
-                           "server_host", "server_workers", "tls_cert", "tls_key"})
+                           "server_host", "server_workers", "tls_cert", "tls_key", "server_token_file"})
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> RuntimeSettings:
@@ -215,6 +219,9 @@ class RuntimeSettings:
             server_workers=c.integer("server_workers", lo=0, hi=256, none=True),
             tls_cert=c.string("tls_cert", none=True),
             tls_key=c.string("tls_key", none=True),
+            server_token_file=c.string("server_token_file", none=True),
+            server_port_fallback=c.boolean("server_port_fallback"),
+            silence_s=c.number("silence_s", lo=0.5),
         )
         if (out.tls_cert is None) != (out.tls_key is None):
             c.problem(f"runtime.tls_cert = {out.tls_cert!r} and runtime.tls_key = {out.tls_key!r}: give both (the "
@@ -235,6 +242,18 @@ class RuntimeSettings:
         """
         return self.request_timeout_s + self.stop_grace_s
 
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a rank of a server says it is alive when it has nothing else to send: a fifth of
+        ``silence_s`` (``[Note: serving through faults]`` in :mod:`hpcsplit.runtime.server.failover`).
+
+        Examples
+        --------
+        >>> RuntimeSettings.from_config({"runtime": {"silence_s": 5}}).heartbeat_s
+        1.0
+        """
+        return self.silence_s / 5
+
 
 # --------------------------------------------------------------------------------------------- bench
 @dataclass(frozen=True, slots=True)
@@ -245,7 +264,7 @@ class BenchSettings:
     duration_s: float
     min_requests: int
     floor_runs: int
-    arrival: Literal["poisson", "constant"]
+    arrival: Literal["poisson", "constant", "bursty"]
     warmup_s: float
     seed: int
     request_timeout_s: float | None  # None: runtime.request_timeout_s
@@ -278,7 +297,7 @@ class BenchSettings:
             duration_s=c.number("duration_s", lo=0, lo_open=True),
             min_requests=c.integer("min_requests", lo=0),
             floor_runs=c.integer("floor_runs", lo=0),
-            arrival=c.choice("arrival", ("poisson", "constant")),
+            arrival=c.choice("arrival", ARRIVALS),
             warmup_s=c.number("warmup_s", lo=0),
             seed=c.integer("seed"),
             request_timeout_s=c.number("request_timeout_s", lo=0, lo_open=True, none=True),

@@ -16,8 +16,19 @@ none of these, so :func:`load_program` accepts exactly what it writes:
   ``data/constants/tensor_<n>`` (raw tensor bytes), an empty ``data/sample_inputs/model.pt``;
 - payload configs whose every entry is a raw tensor (``use_pickle`` false) naming such a member;
 - ``models/model.json`` whose size expressions match :func:`check_expr`, guards match
-  :func:`check_guard`, node targets match :func:`check_target`, with no custom objects,
-  subgraphs, operator arguments or tokens.
+  :func:`check_guard`, node targets match :func:`check_target` and are on the operator allowlist
+  (:func:`aten_refusal`), with no custom objects, subgraphs, operator arguments or tokens.
+
+[Note: ATen allowlist]
+A program of plain ATen operators can still have effects outside its outputs: ``aten.save`` writes a
+file, ``aten.from_file`` reads one, ``aten._print`` and ``aten.warn`` write to the console,
+``aten.manual_seed`` sets the process's random state, in-place and ``out=`` operators (``aten.relu_``,
+``aten.copy_``, ``aten.set_``) write into the caller's tensors.  An operator is allowed only when torch
+(the version loading it) has it, its schema writes into none of its arguments (``is_mutable`` false:
+no ``Tensor(a!)``), and it returns something: an operator that returns nothing runs only for an effect,
+except the assertions torch.export writes itself (:data:`_ASSERTS`, which only raise).  ``from_file``
+returns a tensor and is refused by name.  torch.export's functional IR, which hpcsplit's export writes,
+meets all of this; the check reads torch's operator registry, never the archive's code.
 
 The validated members are then written into a fresh archive in memory (torch's own writer), so the
 zip reader of torch sees exactly the bytes Python's ``zipfile`` validated.  The archive bytes are
@@ -27,6 +38,7 @@ the ones whose hash was checked: nothing is read from disk again.
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import json
 import re
@@ -35,7 +47,8 @@ from typing import Any
 
 from hpcsplit.errors import SwitchboardError
 
-__all__ = ["MAX_MEMBERS", "check_expr", "check_guard", "check_target", "load_program", "validate_program"]
+__all__ = ["MAX_MEMBERS", "aten_refusal", "check_expr", "check_guard", "check_target", "load_program",
+           "validate_program"]
 
 MAX_MEMBERS = 100_000
 MAX_JSON_BYTES = 256 << 20  # model.json and the payload configs
@@ -58,6 +71,9 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _ATEN = re.compile(r"torch\.ops\.aten\.(_?[a-z][A-Za-z0-9_]*|__i?(?:and|or|xor|lshift|rshift)__)"
                    r"\.([A-Za-z][A-Za-z0-9_]*)")
 _ATEN_REFUSED = {"from_file"}  # reads a file named in the program
+# assertions torch.export may write (they return nothing, and only raise): [Note: ATen allowlist]
+_ASSERTS = {"_assert_async", "_assert_scalar", "_assert_tensor_metadata", "sym_constrain_range",
+            "sym_constrain_range_for_size", "_functional_assert_async", "_functional_assert_scalar"}
 _PY_TARGETS = {
     *(f"_operator.{n}" for n in (
         "getitem", "add", "sub", "mul", "floordiv", "mod", "truediv", "neg", "pos", "pow",
@@ -215,6 +231,37 @@ def check_target(target: object) -> bool:
     return target in _PY_TARGETS
 
 
+@functools.lru_cache(maxsize=4096)
+def aten_refusal(target: str) -> str | None:
+    """Why the ATen operator ``target`` has effects outside the program (``[Note: ATen allowlist]``); None when
+    it is allowed, or when ``target`` is no ATen operator name (:func:`check_target` judges those).
+
+    Examples
+    --------
+    >>> aten_refusal("torch.ops.aten.linear.default") is None, aten_refusal("torch.ops.aten.relu_.default")
+    (True, 'writes into its arguments (an in-place or out= operator)')
+    >>> aten_refusal("torch.ops.aten.save.default")
+    'returns nothing: it runs for an effect outside the program (a file, the console, global state)'
+    """
+    m = _ATEN.fullmatch(target)
+    if m is None:
+        return None
+    name, overload = m.groups()
+    if name in _ATEN_REFUSED:
+        return "reads a file the program names"
+    import torch
+
+    try:
+        schema = getattr(getattr(torch.ops.aten, name), overload)._schema
+    except (AttributeError, RuntimeError):
+        return f"is not an operator of torch {torch.__version__}"
+    if schema.is_mutable:
+        return "writes into its arguments (an in-place or out= operator)"
+    if not schema.returns and name not in _ASSERTS:
+        return "returns nothing: it runs for an effect outside the program (a file, the console, global state)"
+    return None
+
+
 def _json(data: bytes, what: str, member: str) -> Any:
     if len(data) > MAX_JSON_BYTES:
         raise _refuse(what, f"{member} has {len(data)} bytes (at most {MAX_JSON_BYTES})")
@@ -291,8 +338,14 @@ def _check_model(model: Any, what: str) -> None:
             if k == "expr_str" and not check_expr(v):
                 raise _refuse(what, f"{member}: symbolic expression {str(v)[:120]!r} is not plain arithmetic "
                               "on size symbols")
-            if k == "target" and not check_target(v):
-                raise _refuse(what, f"{member}: node target {str(v)[:120]!r} is not an ATen operator")
+            if k == "target":
+                why = aten_refusal(v) if isinstance(v, str) else None
+                if why is not None:  # [Note: ATen allowlist]
+                    op = v.removeprefix("torch.ops.")
+                    raise _refuse(what, f"{member}: node target {op} {why}; hpcsplit loads only operators without "
+                                  "effects outside the program")
+                if not check_target(v):
+                    raise _refuse(what, f"{member}: node target {str(v)[:120]!r} is not an ATen operator")
             stack.append(v)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcsplit.core.calibration import Calibration, calibration_for
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.settings import Checker
 from hpcsplit.errors import ConfigError
@@ -255,9 +256,9 @@ class PartitionSettings:
     min_component_fraction: float
     max_branches: int
     force: bool
-    compute_gflops: float
-    transport_gb_s: float
-    hop_ms: float
+    compute_gflops: float | None  # None: from the calibration (calibration=PATH or the run folder's), else the defaults
+    transport_gb_s: float | None
+    hop_ms: float | None
     cut_slack: float
     tie_margin: float
     cost: str
@@ -280,9 +281,9 @@ class PartitionSettings:
             min_component_fraction=c.number("min_component_fraction", lo=0, hi=1),
             max_branches=c.integer("max_branches", lo=1),
             force=c.boolean("force"),
-            compute_gflops=c.number("compute_gflops", lo=0, lo_open=True),
-            transport_gb_s=c.number("transport_gb_s", lo=0, lo_open=True),
-            hop_ms=c.number("hop_ms", lo=0),
+            compute_gflops=c.number("compute_gflops", lo=0, lo_open=True, none=True),
+            transport_gb_s=c.number("transport_gb_s", lo=0, lo_open=True, none=True),
+            hop_ms=c.number("hop_ms", lo=0, none=True),
             cut_slack=c.number("cut_slack", lo=0),
             tie_margin=c.number("tie_margin", lo=0, hi=1),
             cost=c.choice("cost", ("measured", "flops")),
@@ -298,9 +299,22 @@ class PartitionSettings:
         c.done()
         return s
 
-    def export_options(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`hpcsplit.switchboard.writer.export` these settings give."""
-        return {f: getattr(self, f) for f in _fields(type(self)) if f != "method"}
+    def export_options(self, calibration: Calibration | None = None) -> dict[str, Any]:
+        """The keyword arguments of :func:`hpcsplit.switchboard.writer.export` these settings give.
+
+        The split rule's figures left null come from ``calibration`` (its :meth:`~Calibration.split_rule`; the
+        documented defaults without one); ``constants`` says where they came from.
+        """
+        out = {f: getattr(self, f) for f in _fields(type(self)) if f != "method"}
+        cal = calibration or Calibration.defaults()
+        rule = cal.split_rule()
+        unset = [k for k in rule if out[k] is None]
+        for k in unset:
+            out[k] = rule[k]
+        given = [k for k in rule if k not in unset]
+        where = f"constants from {cal.origin()}" if unset else "constants from the partition settings"
+        out["constants"] = where + (f" (partition.{', partition.'.join(given)} as set)" if unset and given else "")
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +372,8 @@ def run_export(cfg: dict, run_dir: Path) -> dict:
     """
     t0 = time.perf_counter()
     ms, ps, vs = _settings(cfg)
-    out = RunPaths.from_config(cfg, run_dir).own_switchboard
+    paths = RunPaths.from_config(cfg, run_dir)
+    out = paths.own_switchboard
     model, args, kwargs = ms.build()
     sb = export(
         model,
@@ -368,7 +383,7 @@ def run_export(cfg: dict, run_dir: Path) -> dict:
         name=ms.name,
         atol=vs.atol,
         rtol=vs.rtol,
-        **ps.export_options(),
+        **ps.export_options(calibration_for(paths.calibration, paths.calibration_given)),
     )
     v = sb.layout.verification
     print(f"switchboard {out}  ({sb.model_name}, sha256 {sb.sha256[:12]})")

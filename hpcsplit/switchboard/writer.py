@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from hpcsplit.core.calibration import DEFAULT_GB_S, DEFAULT_GFLOPS, DEFAULT_HOP_MS
 from hpcsplit.errors import PartitionError, SwitchboardError
 from hpcsplit.switchboard import layout as L
 from hpcsplit.switchboard.graph import ComputeGraph, capture, dataflow_graph, measure_nodes
@@ -34,11 +36,11 @@ _GOLDEN = L.GOLDEN_FILE
 
 __all__ = ["export", "region_table"]
 
-# Defaults of the benefit-vs-cost rule (conf/partition/dominator.yaml holds the configured ones; the
-# figures are the project's own measurements on the 2-core development VM, docs/runtime.md):
-COMPUTE_GFLOPS = 30.0  # CPU: the ViT-B/32 vision tower, ~4.4 GFLOP a sample, computes in 139 ms
-TRANSPORT_GB_S = 0.5  # the runtime's own in-flight estimate (runtime/transport.py: 200 us + bytes at 0.5 GB/s)
-HOP_MS = 0.3  # per message to a rank that slept 10 ms: 260-349 us of Python (docs/runtime.md, tiny CLIP)
+# Defaults of the benefit-vs-cost rule: the documented defaults of hpcsplit.core.calibration (the 2-core
+# development VM's figures); stage=export takes a calibration's instead (stage=calibrate, docs/simulate.md)
+COMPUTE_GFLOPS = DEFAULT_GFLOPS
+TRANSPORT_GB_S = DEFAULT_GB_S
+HOP_MS = DEFAULT_HOP_MS
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -101,6 +103,7 @@ def export(
     transport_gb_s: float = TRANSPORT_GB_S,
     hop_ms: float = HOP_MS,
     tie_margin: float = 0.25,
+    constants: str = "",
 ) -> Switchboard:
     """Split ``model`` into components and write a verified switchboard to ``out``.
 
@@ -129,6 +132,8 @@ def export(
         Split every region the structure allows, even when its benefit does not beat its cost.
     compute_gflops, transport_gb_s, hop_ms
         The benefit-vs-cost rule: FLOPs to ms, activation bytes to ms, ms per added component edge.
+    constants
+        Where those three figures come from (a calibration, the settings, the defaults): in the region table.
     overwrite
         Replace an existing switchboard at ``out``.
 
@@ -163,6 +168,8 @@ def export(
         "min_component_fraction": min_component_fraction, "force": force, "compute_gflops": compute_gflops,
         "transport_gb_s": transport_gb_s, "hop_ms": hop_ms, "tie_margin": tie_margin,
     }
+    if constants:
+        partition_options["constants"] = constants
     decision_batch = timing_batch or cg.batch_size
     runtime = _runtime_cost(compute_gflops, transport_gb_s, hop_ms, decision_batch)
     result = decide(
@@ -374,6 +381,11 @@ def region_table(partition: Mapping[str, Any]) -> str:
     regions = list(partition.get("regions") or [])
     batch = partition.get("decision_batch")
     head = f"regions (decided on FLOPs at batch {batch}; cost = added edges x hop + crossing bytes / bandwidth)"
+    opts = partition.get("options") or {}
+    if opts.get("constants"):
+        head += (f"\n  {opts['constants']}: hop {float(opts.get('hop_ms', math.nan)):.3g} ms, "
+                 f"{float(opts.get('transport_gb_s', math.nan)):.3g} GB/s, "
+                 f"{float(opts.get('compute_gflops', math.nan)):.3g} GFLOP/s")
     if not regions:
         return head + "\n  none: the graph has no parallel branches" + _stage_cut_table(partition)
     rows = [("region", "branch FLOPs", "absorbed", "crossing B/sample", "benefit ms", "cost ms", "decision")]

@@ -284,6 +284,53 @@ def test_sigterm_during_bench_keeps_finished_levels(tmp_path: Path, toy_sb: Path
     _no_ranks_left(job.run)
 
 
+def test_sigstop_during_the_whole_model_variant_is_named_within_the_serving_bound(
+        tmp_path: Path, toy_sb: Path, jobs: list[Job]) -> None:
+    """A component stopped while the bench serves the whole model is named at the end of that variant, within
+    runtime.request_timeout_s + runtime.stop_grace_s, not at the next variant's load_timeout_s (600 s)."""
+    n = _plan(toy_sb, tmp_path / "plan.json")
+    timeout_s, grace_s = 2.0, 3.0
+    cfg = {"stage": "bench", "plan": str(tmp_path / "plan.json"), "switchboard": str(toy_sb),
+           "runtime": {"verify": False, "request_timeout_s": timeout_s, "stop_grace_s": grace_s},
+           "bench": {"qps": [20, 20], "duration_s": 2.0, "min_requests": 0, "warmup_s": 0, "arrival": "constant",
+                     "floor_runs": 0, "request_timeout_s": 1.0}}
+    job = Job(tmp_path, cfg, n)
+    jobs.append(job)
+    levels = tmp_path / "run" / "bench" / "levels.csv"
+    job.wait_for(lambda: levels.exists() and len(levels.read_text().splitlines()) >= 2, 120, "a whole-model level")
+    os.kill(job.rank_pids()[2], signal.SIGSTOP)  # during the second whole-model level
+    t_stop = time.monotonic()
+    rc, _ = job.finish()
+    after = time.monotonic() - t_stop
+    print(f"SIGSTOP in the whole variant: named {after:.1f} s later (bound {timeout_s + grace_s:g} s after the "
+          "variant's last level of 2 s)")
+    assert rc != 0
+    err = job.stderr
+    assert f"rank 2 (component '{_last(toy_sb)}' replica 0, node 0, host" in err and "(whole: serving ended)" in err, \
+        err[-3000:]
+    assert after < 2.0 + timeout_s + grace_s + 30  # generous: 2 shared cores; before, 600 s (load_timeout_s)
+    _no_ranks_left(job.run)
+
+
+def test_the_stream_file_holds_request_latencies_after_a_kill(tmp_path: Path, toy_sb: Path,
+                                                              jobs: list[Job]) -> None:
+    """After kill -9 of the frontend, the outputs stream on disk holds each row's latency (admission to
+    output: about max_inflight batches of the slow component), not the time since the job started."""
+    n = _plan(toy_sb, tmp_path / "plan.json")
+    job = Job(tmp_path, _batch_cfg(tmp_path, toy_sb, 300, "out.h5", max_inflight=2), n)
+    jobs.append(job)
+    job.wait_for(lambda: _rows_done(tmp_path / "out.h5") >= 40, 90, "finished rows")
+    served_s = time.monotonic() - job.t0
+    os.kill(job.rank_pids()[0], signal.SIGKILL)
+    job.finish()
+    out = _read(tmp_path / "out.h5")
+    lat = out["latency_ms"][out["done"]]
+    print(f"{len(lat)} rows on disk after {served_s:.1f} s: latency p50 {np.median(lat):.0f} ms, max {lat.max():.0f} ms")
+    assert len(lat) >= 40 and np.isfinite(lat).all()
+    assert lat.min() >= 40  # each row waited at least one 50 ms batch of the slow component (timer slack aside)
+    assert lat.max() < 1000  # two in flight: about 100 ms each; time since the start would reach the seconds served
+
+
 def test_foreign_output_file_is_refused_before_any_work(tmp_path: Path, toy_sb: Path, jobs: list[Job]) -> None:
     n = _plan(toy_sb, tmp_path / "plan.json")
     foreign = tmp_path / "profile.h5"

@@ -58,6 +58,16 @@ def _run(
     )
 
 
+def _start_toys(run_dir: Path, cfg: dict) -> subprocess.Popen[str]:
+    """The toy profile on 2 ranks in the background, its output on one pipe."""
+    (run_dir / "cfg.json").write_text(json.dumps(cfg))
+    return subprocess.Popen(
+        _cmd(2, "tests.unit.profile_toys:mpi_main", run_dir / "cfg.json", run_dir),
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def toy_switchboard(switchboards: Callable[..., Path]) -> Path:
     return switchboards("toy_mlp", dims=(16, 32, 4))
@@ -96,12 +106,7 @@ def test_two_ranks_sigterm_then_resume(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     cfg = {**CFG, "toy": {"sleep_s": 0.05}, "profile": {**CFG["profile"], "batch_sizes": [1, 2, 4, 8]}}
-    (run_dir / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.Popen(
-        _cmd(2, "tests.unit.profile_toys:mpi_main", run_dir / "cfg.json", run_dir),
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = _start_toys(run_dir, cfg)
     lines, deadline = [], time.monotonic() + 120
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -131,3 +136,45 @@ def test_failing_rank_aborts_the_job(tmp_path: Path) -> None:
     res = _run(2, tmp_path / "bad", cfg, timeout=120)
     assert res.returncode != 0
     assert "component head is broken (toy)" in res.stdout + res.stderr
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int | None:
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or str(run_dir).encode() not in (d / "cmdline").read_bytes():
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+def test_a_stopped_rank_is_named_after_profile_rank_silence_s(tmp_path: Path) -> None:
+    """``profile.rank_silence_s``: rank 0 waits at the final gather while a rank's part file grows, and names a
+    rank silent that long (SIGSTOP) instead of the 900 s default."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = {**CFG, "toy": {"sleep_s": 0.05},
+           "profile": {**CFG["profile"], "batch_sizes": [1, 2, 4, 8], "rank_silence_s": 3.0}}
+    proc = _start_toys(run_dir, cfg)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "[rank 1] profile 1/" not in (line := proc.stdout.readline()):
+            assert line, "the job ended before rank 1 measured a cell"
+        victim = _rank_pid(run_dir, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - t_stop
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    print(f"rank 1 stopped: the job ended {took:.1f} s later (profile.rank_silence_s=3)")
+    assert proc.returncode != 0
+    assert "rank 1 wrote no cell" in out and "for 3 s (profile.rank_silence_s" in out, out[-3000:]
+    assert took < 60

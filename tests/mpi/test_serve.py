@@ -156,6 +156,38 @@ def test_clip_tiny_batch_mode_equals_whole_model(tmp_path: Path, clip_sb: Path) 
     assert "match the reference" in p.stderr
 
 
+def _served_plan(sb_dir: Path, path: Path, served: list[str], batch: int = 4) -> int:
+    """A plan whose ranks serve ``served`` (components, groups ``a+b``, or ``whole``), one rank each."""
+    from hpcsplit.core.plan import Plan, RankEntry
+    from hpcsplit.switchboard.reader import Switchboard
+
+    sb = Switchboard.load(sb_dir)
+    ranks = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
+    ranks += [RankEntry(i + 1, "component", 0, None, None, 1, c, batch, 0) for i, c in enumerate(served)]
+    Plan(sb.model_name, sb.sha256, "cpu", 1, tuple(ranks), dict.fromkeys(served, 0.0), {}).save(path)
+    return len(ranks)
+
+
+@pytest.mark.parametrize("kind", ["towers as one group", "whole"])
+def test_a_region_left_unsplit_or_the_whole_model_serve_the_same_outputs(tmp_path: Path, clip_sb: Path,
+                                                                         kind: str) -> None:
+    """What ``allocate.rate_rps`` may choose ([Note: component groups]): CLIP's towers back to back on one rank,
+    or the unsplit program; batch-mode outputs equal the whole model's per request."""
+    from hpcsplit.core.grouping import group_name
+    from hpcsplit.switchboard.reader import Switchboard
+
+    order = list(Switchboard.load(clip_sb).order)
+    towers = [c for c in order if c != order[-1]]  # the parallel towers; the last component joins them
+    served = [group_name(towers, order), order[-1]] if kind != "whole" else ["whole"]
+    n = _served_plan(clip_sb, tmp_path / "plan.json", served)
+    inputs = _inputs(clip_sb, 9, tmp_path / "in.npz")
+    p = _serve(tmp_path, clip_sb, n, {"input_path": str(tmp_path / "in.npz"), "output_path": str(tmp_path / "out.npz")})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = _read(tmp_path / "out.npz")
+    np.testing.assert_allclose(out["output"], _whole_per_request(clip_sb, inputs)[0], rtol=1e-4, atol=1e-5)
+    assert out["done"].all() and f"'{served[0]}' runs on its example inputs" in p.stderr
+
+
 def test_raising_rank_fails_its_rows_and_ends_the_job_quickly_with_message(tmp_path: Path, toy_sb: Path) -> None:
     """Batch mode ([Note: failed rows]): a component that raises on every batch fails every row it gets (each
     tried alone, then retried once) and the job ends non-zero within seconds, the rows done before kept."""

@@ -116,4 +116,5 @@ def mpi_main(cfg: dict[str, Any], run_dir: str, comm: Any | None = None) -> dict
         orig = sb.load_component
         sb.load_component = lambda name: broken if name == bad else orig(name)  # type: ignore[method-assign]
     s = ProfileSettings.from_config(cfg)
-    return profile_components_mpi(sb, s, RunPaths.from_config(cfg, run_dir).profile, comm=get_comm(comm))
+    return profile_components_mpi(sb, s, RunPaths.from_config(cfg, run_dir).profile, comm=get_comm(comm),
+                                  rank_silence_s=s.rank_silence_s)

@@ -44,7 +44,7 @@ def _cluster(cfg: dict[str, Any]) -> ClusterSpec:
 
 def test_one_stage_table_feeds_validation_dispatch_and_pipeline() -> None:
     assert stages.PIPELINE == ("export", "profile", "analyze", "allocate", "bench")
-    assert set(stages.MPI_STAGES) == {"probe", "profile", "serve", "bench"}
+    assert set(stages.MPI_STAGES) == {"probe", "profile", "serve", "bench", "calibrate"}
     assert stages.STAGE_NAMES[-1] == "all" and set(stages.STAGE_NAMES[:-1]) == set(stages.STAGES)
     assert [s.name for s in stages.STAGES.values() if s.requeueable] == ["profile"]
     for row in stages.STAGES.values():

@@ -227,7 +227,7 @@ def test_mpi_stage_merges_part_files_left_by_a_killed_job(tmp_path: Path) -> Non
     s = ProfileSettings.from_config(
         {"profile": _profile(batch_sizes=[1, 2], threads=[1, 2], warmup=1, iters=3, progress=False)}
     )
-    res = profile_components_mpi(ToySwitchboard(), s, out, comm=MPI.COMM_SELF)
+    res = profile_components_mpi(ToySwitchboard(), s, out, comm=MPI.COMM_SELF, rank_silence_s=s.rank_silence_s)
     assert res is not None and res["complete"] and res["cells_measured_now"] == 8 - 3
     assert not part.exists()
     after = read_profile(out).components["head"]

@@ -155,25 +155,6 @@ def test_output_path_checked_before_any_work(tmp_path: Path) -> None:
             check_output_path(ro / "out.h5")
 
 
-def test_output_writer_keeps_finished_rows_on_disk(tmp_path: Path) -> None:
-    h5py = pytest.importorskip("h5py")
-    from hpcsplit.runtime.batch_files import OutputWriter
-
-    w = OutputWriter(tmp_path / "out.npz", ("y",), 4)
-    w.row(2, [np.array([5.0, 6.0])])
-    w.flush()
-    with h5py.File(w.stream, "r", locking=False) as f:  # what a SIGKILL would leave
-        assert f["done"][()].tolist() == [False, False, True, False]
-        assert f["y"][2].tolist() == [5.0, 6.0]
-        assert f.attrs["hpcsplit_outputs"]
-    w.row(0, [np.array([1.0, 2.0])])
-    p = w.close(np.array([True, False, True, False]), np.array([1.0, np.nan, 2.0, np.nan]))
-    assert not w.stream.exists()
-    with np.load(p) as z:
-        assert z["done"].tolist() == [True, False, True, False]
-        assert z["y"][1].tolist() == [0.0, 0.0] and z["y"][2].tolist() == [5.0, 6.0]
-
-
 # ------------------------------------------------------------- streaming inputs ([Note: streaming batch mode])
 def _rows(n: int, width: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     g = np.random.default_rng(seed)

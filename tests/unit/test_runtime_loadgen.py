@@ -24,7 +24,14 @@ def test_poisson_arrivals_rate_and_reproducible() -> None:
 
 def test_bad_arrival_kind() -> None:
     with pytest.raises(ValueError, match="poisson"):
-        arrival_times(1, 1, "bursty")
+        arrival_times(1, 1, "zipf")
+
+
+def test_bursty_gaps_vary_twice_as_much_as_poisson_with_the_same_mean() -> None:
+    a = arrival_times(200, 50.0, "bursty", seed=3)
+    gaps = np.diff(a)
+    assert 0.9 < len(a) / (200 * 50) < 1.1
+    assert 1.7 < gaps.std() / gaps.mean() < 2.3
 
 
 def test_summary_counts_failures_and_percentiles() -> None:

@@ -148,3 +148,19 @@ def test_router_prefers_the_bigger_replica_on_ties() -> None:
 def test_critical_path_takes_the_slowest_branch_plus_join() -> None:
     assert critical_path_ms(DIAMOND, {"a": 70.0, "b": 20.0, "j": 1.5}) == pytest.approx(71.5)
     assert critical_path_ms(DIAMOND, {"a": 5.0, "b": 20.0, "j": 1.0}) == pytest.approx(21.0)
+
+
+@pytest.mark.parametrize("n", [3, 12])  # 12: at least BUCKET_MIN replicas, kept ordered instead of scanned
+def test_router_routes_nothing_more_to_a_dropped_replica(n: int) -> None:
+    from hpcsplit.core.policy import ReplicaRouter
+
+    ranks = tuple(range(1, n + 1))
+    r = ReplicaRouter([ranks, (99,)], {})
+    for _ in range(2 * n):
+        r.assign()
+    assert r.drop(2) == n - 1 and 2 not in r.live(0)
+    picked = [r.assign()[0] for _ in range(3 * n)]
+    assert 2 not in picked and set(picked) == set(ranks) - {2}
+    for route in [(p, 99) for p in picked]:
+        r.release(route)
+    assert r.drop(99) == 0 and r.live(1) == (99,)  # the last replica stays routed: the caller ends the job

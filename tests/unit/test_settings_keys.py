@@ -22,6 +22,8 @@ STAGE_MODULES = (
     "hpcsplit.allocation.stage",
     "hpcsplit.runtime.stage",
     "hpcsplit.launch.stages",
+    "hpcsplit.launch.calibrate",
+    "hpcsplit.launch.simulate",
 )
 NOT_SETTINGS = {"experiment", "hydra"}  # overrides of other groups, and Hydra's own config
 

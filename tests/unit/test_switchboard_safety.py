@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from hpcsplit.errors import HpcsplitError, SwitchboardError
 from hpcsplit.switchboard import layout as L
-from hpcsplit.switchboard.archive import check_expr, check_guard, check_target
+from hpcsplit.switchboard.archive import aten_refusal, check_expr, check_guard, check_target
 from hpcsplit.switchboard.reader import Switchboard
 
 
@@ -160,6 +160,26 @@ def node_target(m: dict[str, bytes], marker: Path) -> None:
     m["models/model.json"] = json.dumps(d).encode()
 
 
+def _first_op(m: dict[str, bytes], target: str) -> None:
+    """The program's first operator node calls ``target`` instead (its arguments left as they are)."""
+    d = json.loads(m["models/model.json"])
+    node = next(n for n in d["graph_module"]["graph"]["nodes"] if str(n.get("target", "")).startswith("torch.ops.aten."))
+    node["target"] = target
+    m["models/model.json"] = json.dumps(d).encode()
+
+
+def aten_save(m: dict[str, bytes], marker: Path) -> None:
+    _first_op(m, "torch.ops.aten.save.default")  # writes a file
+
+
+def aten_inplace(m: dict[str, bytes], marker: Path) -> None:
+    _first_op(m, "torch.ops.aten.add_.Tensor")  # writes into the caller's tensor
+
+
+def aten_print(m: dict[str, bytes], marker: Path) -> None:
+    _first_op(m, "torch.ops.aten._print.default")
+
+
 def sample_inputs(m: dict[str, bytes], marker: Path) -> None:
     m["data/sample_inputs/model.pt"] = _torch_save(((_Touch(marker),), {}))
 
@@ -178,6 +198,10 @@ ATTACKS: dict[str, tuple[Callable[[dict[str, bytes], Path], None], str]] = {
     "guards_code_exec": (guards_code, r"guard .*__import__.* is not arithmetic on input sizes"),
     "node_target_torch_os": (node_target, r"node target 'torch\.os\.system' is not an ATen operator"),
     "pickled_sample_inputs": (sample_inputs, r"carries pickled data \(data/sample_inputs/model\.pt\)"),
+    # [Note: ATen allowlist]: ATen operators with effects outside the program
+    "aten_save": (aten_save, r"node target aten\.save\.default returns nothing: it runs for an effect outside"),
+    "aten_inplace": (aten_inplace, r"node target aten\.add_\.Tensor writes into its arguments"),
+    "aten_print": (aten_print, r"node target aten\._print\.default returns nothing"),
     "aoti_shared_library": (aoti_member, r"member 'data/aotinductor/model/model\.so' is not one hpcsplit writes"),
 }
 
@@ -272,6 +296,12 @@ def test_grammars_accept_what_exports_write() -> None:
         assert not check_guard(bad), bad
     for bad in ["torch.ops.aten.from_file.default", "#custom.op", "builtins.eval", "torch.ops.higher_order.cond"]:
         assert not check_target(bad), bad
+    assert aten_refusal("torch.ops.aten.scaled_dot_product_attention.default") is None
+    assert aten_refusal("torch.ops.aten._assert_scalar.default") is None  # torch.export's own assertions
+    for bad, why in [("torch.ops.aten.copy_.default", "writes into"), ("torch.ops.aten.linear.out", "writes into"),
+                     ("torch.ops.aten.manual_seed.default", "returns nothing"), ("torch.ops.aten.warn.default", "returns"),
+                     ("torch.ops.aten.from_file.default", "reads a file"), ("torch.ops.aten.no_such_op.default", "is not")]:
+        assert why in (aten_refusal(bad) or ""), bad
 
 
 def test_all_real_exports_pass(switchboards: Callable[..., Path]) -> None:

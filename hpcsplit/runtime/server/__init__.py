@@ -13,6 +13,8 @@
   frontend's side of them, and the framing between the two.
 - :mod:`~hpcsplit.runtime.server.serve`: the frontend rank's server mode (the servers and the continuous
   frontend loop on one event loop in the rank's main thread, ``endpoint.json``, drain on SIGTERM).
+- :mod:`~hpcsplit.runtime.server.failover`: serving through a lost replica (heartbeats, routing around it,
+  its requests sent again, the degraded state) and the token kept across the login side's restarts.
 
 See docs/serving.md.
 """

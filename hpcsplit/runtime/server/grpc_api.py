@@ -65,11 +65,17 @@ def make_handler(hub: Hub, version: str) -> grpc.GenericRpcHandler:
     async def server_live(_: Any, __: Any) -> Any:
         return pb.ServerLiveResponse(live=True)
 
-    async def server_ready(_: Any, __: Any) -> Any:
+    def degraded(context: grpc.aio.ServicerContext) -> None:
+        if hub.degraded:  # still serving, without some replicas ([Note: serving through faults])
+            context.set_trailing_metadata((("hpcsplit-state", "degraded"),))
+
+    async def server_ready(_: Any, context: grpc.aio.ServicerContext) -> Any:
+        degraded(context)
         return pb.ServerReadyResponse(ready=hub.is_ready())
 
-    async def model_ready(r: Any, _: Any) -> Any:
+    async def model_ready(r: Any, context: grpc.aio.ServicerContext) -> Any:
         spec.check_model(r.name, r.version)
+        degraded(context)
         return pb.ModelReadyResponse(ready=hub.is_ready())
 
     async def server_meta(_: Any, __: Any) -> Any:

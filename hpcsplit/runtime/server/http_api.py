@@ -68,8 +68,15 @@ def make_app(hub: Hub, max_body: int, version: str) -> web.Application:
     async def live(_: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    def _ready(not_ready: str) -> web.Response:
+        if not hub.is_ready():
+            return _error(503, not_ready)
+        if hub.degraded:  # still serving, without some replicas ([Note: serving through faults])
+            return web.json_response({"ready": True, "state": "degraded", "lost": hub.degraded})
+        return web.Response(status=200)
+
     async def ready(_: web.Request) -> web.Response:
-        return web.Response(status=200) if hub.is_ready() else _error(503, "not ready")
+        return _ready("not ready")
 
     async def server_meta(_: web.Request) -> web.Response:
         return web.json_response({"name": SERVER_NAME, "version": version, "extensions": EXTENSIONS})
@@ -80,7 +87,7 @@ def make_app(hub: Hub, max_body: int, version: str) -> web.Application:
 
     async def model_ready(request: web.Request) -> web.Response:
         model_of(request)
-        return web.Response(status=200) if hub.is_ready() else _error(503, f"model {spec.name!r} is not ready")
+        return _ready(f"model {spec.name!r} is not ready")
 
     async def model_config(request: web.Request) -> web.Response:
         model_of(request)

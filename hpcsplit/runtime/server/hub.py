@@ -78,6 +78,7 @@ class Hub:
         self.ready = threading.Event()
         self.draining = threading.Event()
         self.failed: str | None = None  # the job's fatal error, once it has one
+        self.degraded: list[str] = []  # the replicas lost while serving on ([Note: serving through faults])
         self._lock = threading.Lock()
         # Triton-style statistics (perf_analyzer reads them when /v2 lists "statistics")
         self.stats = {k: [0, 0] for k in ("success", "fail", "queue", "compute_input", "compute_infer",

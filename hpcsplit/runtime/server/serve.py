@@ -51,12 +51,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcsplit.errors import RuntimeStageError
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.context import RankContext, say
 from hpcsplit.runtime.doorbell import node_address
 from hpcsplit.runtime.faults import COMPONENT_SIGNAL_GRACE_S, stop_signal
 from hpcsplit.runtime.frontend import Frontend, RemoteRankError
+from hpcsplit.runtime.server.failover import Failover, read_token
 from hpcsplit.runtime.server.hub import Hub, Ticket
 from hpcsplit.runtime.server.protocol import ModelSpec, RequestRejected
 from hpcsplit.runtime.server.servers import VERSION, Servers
@@ -128,6 +130,7 @@ class ServeLoop:
         self.fatal: str | None = None
         self._next_scan = 0.0
         self._t0 = time.perf_counter()
+        self.failover = Failover(ctx, fe, hub)  # [Note: serving through faults]
 
     def _get_inputs(self, idx: np.ndarray) -> list[torch.Tensor]:
         """The admitted rows' inputs: one copy per input, of the runs of consecutive rows of each request
@@ -225,8 +228,10 @@ class ServeLoop:
                 self._status.clear()
                 hub.inflight_rows = len(inflight)
         # ---- collect outputs
+        heard = self.failover.heard
         for m, t_hdr in fe.inbox.poll():
             worked = True
+            heard[m.source] = now
             h = m.header
             if self.fe.tracer.enabled:
                 self.fe.tracer.span("recv_output", t_hdr, time.perf_counter(), h.request_ids, src=m.source)
@@ -259,6 +264,10 @@ class ServeLoop:
                     self._row_done(rid, rec[1], rec[3])
             hub.inflight_rows = len(inflight)
         fe.outbox.reap()
+        if self.failover.check(self, now):  # heartbeats; silent or ended replicas routed around
+            worked = True
+            if self.done:  # the last replica of a component was lost: the job ends, to be started again
+                return worked
         # ---- timeouts, every 10 ms (oldest first)
         if now >= self._next_scan:
             self._next_scan = now + 0.01
@@ -416,7 +425,8 @@ async def serve_requests(ctx: RankContext, fe: Frontend, hub: Hub) -> dict[str, 
             sl.abandon("the server stopped before this request was answered")
         except Exception as e:  # noqa: BLE001 - the loop's own error is the one that propagates
             say(0, f"server: answering the requests left: {type(e).__name__}: {e}")
-    return sl.counts
+        sl.failover.close()
+    return {**sl.counts, **sl.failover.summary()}
 
 
 def fe_error(m: tp.Message) -> str:
@@ -452,27 +462,39 @@ async def _run_server(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
     paths = ctx.paths
     spec = model_spec(ctx, fe)
     tls = load_tls(rt.tls_cert, rt.tls_key)
-    token = secrets.token_urlsafe(32) if rt.server_token else None
-    if token is not None:
-        write_private(paths.server_token, token + "\n")
+    token_path = Path(rt.server_token_file) if rt.server_token_file else paths.server_token
+    token = None
+    if rt.server_token:
+        token = read_token(token_path) if rt.server_token_file else secrets.token_urlsafe(32)
+        if not rt.server_token_file:
+            write_private(paths.server_token, token + "\n")
     host = rt.server_host or node_address(rt.doorbell_network)
     hub = Hub(spec, rt.server_queue, token)
     n_workers = protocol_workers(ctx)
     max_body = int(rt.server_max_body_mb * (1 << 20))
-    srv: Servers | Workers
-    if n_workers:  # [Note: protocol workers] in hpcsplit.runtime.server.worker
-        srv = Workers(hub, host, rt.server_http_port, rt.server_grpc_port, max_body, n_workers, tls,
-                      rt.server_drain_s, lambda m: say(0, m))
-    else:
-        srv = Servers(hub, host, rt.server_http_port, rt.server_grpc_port, max_body, tls)
-    await srv.start()
+
+    def servers(http_port: int, grpc_port: int) -> Servers | Workers:
+        if n_workers:  # [Note: protocol workers] in hpcsplit.runtime.server.worker
+            return Workers(hub, host, http_port, grpc_port, max_body, n_workers, tls, rt.server_drain_s,
+                           lambda m: say(0, m))
+        return Servers(hub, host, http_port, grpc_port, max_body, tls)
+
+    srv = servers(rt.server_http_port, rt.server_grpc_port)
+    try:
+        await srv.start()
+    except RuntimeStageError as e:
+        if not rt.server_port_fallback or not (rt.server_http_port or rt.server_grpc_port):
+            raise
+        say(0, f"server: {e}; runtime.server_port_fallback: listening on free ports instead")
+        srv = servers(0, 0)
+        await srv.start()
     # all interfaces (only when asked): clients still need this node's own address
     shown = node_address(rt.doorbell_network) if host in ("0.0.0.0", "::") else host
     scheme = "https" if tls else "http"
     endpoint = {"host": shown, "listen": host, "http_port": srv.http_port, "grpc_port": srv.grpc_port, "model": spec.name,
                 "model_version": spec.version, "http_url": f"{scheme}://{shown}:{srv.http_port}",
                 "grpc_target": f"{shown}:{srv.grpc_port}", "tls": tls is not None,
-                "token_file": str(paths.server_token.resolve()) if token is not None else None,
+                "token_file": str(token_path.resolve()) if token is not None else None,
                 "pid": os.getpid(), "workers": n_workers,
                 "worker_pids": srv.pids if isinstance(srv, Workers) else [], "started": time.time()}
     hub.ready.set()
@@ -480,13 +502,16 @@ async def _run_server(ctx: RankContext, fe: Frontend) -> dict[str, Any]:
     how = f"{n_workers} protocol worker(s)" if n_workers else "on the frontend's thread"
     say(0, f"server: ready at {scheme}://{host}:{srv.http_port} (HTTP) and {host}:{srv.grpc_port} (gRPC"
            f"{', TLS' if tls else ''}), {how}, model {spec.name!r}; endpoint in {paths.server_endpoint}")
+    counts: dict[str, Any] = {}
     try:
         serving = serve_requests(ctx, fe, hub)
         counts = await (srv.watch(serving) if isinstance(srv, Workers) else serving)
     finally:
         hub.draining.set()
         await srv.stop()
-        for p in (paths.server_endpoint, paths.server_token):
+        # the token stays for the job the login side starts next (the same token: clients keep working)
+        keep = counts.get("restart") or token_path != paths.server_token
+        for p in (paths.server_endpoint, *(() if keep else (paths.server_token,))):
             try:
                 p.unlink()
             except FileNotFoundError:

@@ -152,6 +152,7 @@ class _FrontendLink(ch.Link):
                 if st["draining"]:
                     hub.draining.set()
                 hub.failed = st["failed"]
+                hub.degraded = [str(x) for x in st.get("degraded", ())]  # [Note: serving through faults]
             elif kind == ch.REPLY and hub is not None:
                 hub.replied(struct.unpack_from("<I", body)[0], bytes(body[4:]))
             elif kind == ch.CONFIG and not self.config.done():

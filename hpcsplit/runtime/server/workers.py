@@ -217,12 +217,12 @@ class Workers:
         try:
             while not task.done():
                 hub = self.hub
-                state = (hub.ready.is_set(), hub.draining.is_set(), hub.failed)
+                state = (hub.ready.is_set(), hub.draining.is_set(), hub.failed, tuple(hub.degraded))
                 if state != last:
                     last = state
                     for link in self.links:
                         link.send(ch.json_frame(ch.STATE, {"ready": state[0], "draining": state[1],
-                                                           "failed": state[2]}))
+                                                           "failed": state[2], "degraded": state[3]}))
                 self._check()
                 if len(self.dead) == self.n:
                     task.cancel()

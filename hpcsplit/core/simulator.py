@@ -1,0 +1,564 @@
+"""Discrete-event simulation of a served plan: the runtime's own policies, the target's calibrated costs.
+
+[Note: simulator]
+:func:`simulate` runs one open-loop session of a :class:`SimSystem` (built from a plan, a profile, the
+switchboard's dataflow and a calibration by :mod:`hpcsplit.core.sim_model`) and returns per-request arrival,
+admission and completion times, which :func:`hpcsplit.core.load.summarize` turns into the bench's figures.
+What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
+
+- **frontend** (``frontend.py``): requests wait at the frontend until fewer than ``max_inflight`` are in the
+  pipeline; one loop turn admits every arrived request (at most ``max_admit``), routes each, and sends one
+  message per entry component replica; a request is done when the messages of every component that
+  produces a model output have come back; one not done ``request_timeout_s`` after its arrival fails;
+- **routing**: the runtime's own router (:class:`~hpcsplit.core.policy.ReplicaRouter`, which
+  ``runtime.routing.Router`` is): per component the replica with the fewest outstanding requests, ties to
+  the bigger replica, then to the one used least recently;
+- **batching** (``batching.Batcher``): a replica runs what waits, up to its plan batch size, once the batch is
+  full or the oldest request waited ``max_wait_ms`` (0: at once); a join runs a request once a message from
+  every source of it has come (``JoinBuffer``);
+- **the dataflow** (``routing.build_dataflow``): after a batch a replica sends one message per destination
+  component and replica on the requests' routes, carrying their bytes;
+- **costs** (:mod:`hpcsplit.core.calibration`): a message to a rank that has been idle for a gap waits the
+  calibrated hop delay of that gap (wake-up, doorbell, message), plus its bytes at the link's bandwidth (one
+  node or across); the frontend admits a request the calibrated timer delay after its arrival when it was
+  asleep; every rank's turn costs CPU (per message, per request) and a batch its profiled latency at that
+  batch and thread count (or slice), plus the calibrated cold extra after an idle gap (the program's; for the
+  frontend's turn after a sleep, the small program's ``compute_cold``), with the profile's spread as jitter;
+- **idle policy** (``mailbox.Backoff``): after its work a rank polls back to back for ``spin_us``, taking a
+  core, and sees a message in that time at once; then it sleeps, and a message waits the hop delay of its
+  idle gap;
+- **time-shared CPU** (CPU plans): every turn is work on its node's cores; when the busy and polling ranks'
+  threads exceed the cores each runs at ``cores / threads`` of its speed (processor sharing), and ``k`` ranks
+  computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth).
+
+The batching rule is checked against the runtime's code on the same trace (``tests/unit/test_simulator.py``
+replays every turn through ``runtime.batching.Batcher``).  Deterministic: the same system, schedule and seed give the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hpcsplit.core.calibration import Calibration, Curve
+from hpcsplit.core.policy import ReplicaRouter
+from hpcsplit.core.settings import Checker, group_defaults
+
+__all__ = ["STATUS_OK", "STATUS_TIMEOUT", "ServePolicy", "SimComponent", "SimRank", "SimRun",
+           "SimSystem", "simulate"]
+
+STATUS_PENDING = 0
+STATUS_OK = 1  # as runtime.frontend.STATUS_OK
+STATUS_TIMEOUT = 2
+
+_ARR, _DLV, _TURN, _DONE, _SPIN = 0, 1, 2, 3, 4
+_IDLE, _SCHEDULED, _BUSY, _SPINNING = 0, 1, 2, 3  # a rank's states
+
+
+@dataclass(frozen=True, slots=True)
+class ServePolicy:
+    """The runtime settings the simulation follows (``conf/runtime/default.yaml``'s values by default)."""
+
+    max_inflight: int = 64
+    max_wait_ms: float = 0.0
+    request_timeout_s: float = 60.0
+    max_admit: int = 256  # runtime.frontend.Frontend.run's max_admit
+    spin_us: float = 50.0  # a rank polls back to back this long after work (runtime.mailbox.SPIN_S, runtime.spin_us)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> ServePolicy:
+        """``runtime.max_inflight``, ``max_wait_ms``, ``request_timeout_s`` of a resolved config (over the defaults).
+
+        For stages that cannot import the runtime's settings (the allocator): the runtime checks its group itself.
+
+        >>> ServePolicy.from_config({"runtime": {"max_inflight": 8}}).max_inflight
+        8
+        """
+        node = cfg.get("runtime")
+        values = {**group_defaults("runtime"), **(node if isinstance(node, Mapping) else {})}
+        c = Checker("runtime", values, list(values))
+        spin = c.number("spin_us", lo=0, none=True)
+        out = cls(c.integer("max_inflight", lo=1), c.number("max_wait_ms", lo=0),
+                  c.number("request_timeout_s", lo=0, lo_open=True), spin_us=50.0 if spin is None else spin)
+        c.done()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class SimComponent:
+    """One component of the dataflow (``Dataflow.components`` order, topological)."""
+
+    name: str
+    need: int  # messages a request needs here: its distinct sources (the frontend counts once)
+    sinks: tuple[tuple[int, float], ...]  # (destination component index, -1: the frontend; bytes per request)
+    replicas: tuple[int, ...]  # ranks, by replica index
+
+
+@dataclass(frozen=True, slots=True)
+class SimRank:
+    """One MPI rank: the frontend (``component == -1``) or a replica."""
+
+    rank: int
+    node: int
+    component: int
+    batch_size: int = 1
+    threads: int = 1
+    size: float = 0.0  # GPU slice or CPU threads (routing prefers bigger replicas on ties)
+    latency_ms: tuple[float, ...] = ()  # [b - 1]: compute of a batch of b
+    sigma: float = 0.0  # lognormal spread of one batch's compute
+    cold: Curve = field(default_factory=lambda: Curve.constant(0.0))  # extra ms of a batch after an idle gap
+
+
+@dataclass(frozen=True, slots=True)
+class SimSystem:
+    """Everything :func:`simulate` needs (``[Note: simulator]``)."""
+
+    name: str
+    components: tuple[SimComponent, ...]
+    entry: tuple[tuple[int, float], ...]  # (component fed with model inputs, bytes per request)
+    n_outputs: int  # components whose messages a request needs back at the frontend
+    ranks: tuple[SimRank, ...]  # ranks[0] is the frontend
+    node_cores: tuple[float, ...]  # per node: cores that compute shares (CPU plans); () = compute on devices
+    calibration: Calibration
+    policy: ServePolicy = ServePolicy()
+
+
+@dataclass(frozen=True, slots=True)
+class SimRun:
+    """Per-request times of one simulated session (seconds from its start), as ``runtime.frontend.SessionResult``."""
+
+    arrival_s: np.ndarray
+    admit_s: np.ndarray
+    done_s: np.ndarray  # NaN where not done
+    status: np.ndarray
+    busy_s: np.ndarray  # per rank: time spent in turns
+    events: int
+
+    @property
+    def ok(self) -> np.ndarray:
+        return self.status == STATUS_OK
+
+
+class _Noise:
+    """Standard normal draws in blocks (one ``numpy`` call per 4096 draws)."""
+
+    __slots__ = ("_buf", "_i", "_rng")
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._buf: list[float] = []
+        self._i = 0
+
+    def __call__(self) -> float:
+        if self._i >= len(self._buf):
+            self._buf = self._rng.standard_normal(4096).tolist()
+            self._i = 0
+        self._i += 1
+        return self._buf[self._i - 1]
+
+
+def simulate(system: SimSystem, arrivals_s: np.ndarray, seed: int = 0,
+             trace: list[tuple[int, float, list[int], list[int]]] | None = None) -> SimRun:
+    """Simulate one open-loop session (``[Note: simulator]``).
+
+    Parameters
+    ----------
+    system : SimSystem
+    arrivals_s : array of float
+        Arrival offsets in seconds, non-decreasing (``hpcsplit.core.load.arrival_times``).
+    seed : int
+        Seed of the jitter draws.
+    trace : list, optional
+        Filled with ``(rank, time, requests that became ready, requests batched)`` per component turn (the tests
+        replay it through ``runtime.batching.Batcher``).
+
+    Returns
+    -------
+    SimRun
+    """
+    return _Sim(system, seed, trace).run(np.asarray(arrivals_s, dtype=np.float64))
+
+
+class _Sim:
+    """One session's state; :meth:`run` is the event loop (times in seconds)."""
+
+    def __init__(self, s: SimSystem, seed: int, trace: list[Any] | None = None) -> None:
+        self.s = s
+        self.trace = trace
+        cal = s.calibration
+        self.cal = cal
+        self.noise = _Noise(seed)
+        n = len(s.ranks)
+        self.n = n
+        self.comp = [r.component for r in s.ranks]
+        self.node = [r.node for r in s.ranks]
+        self.bs = [max(1, r.batch_size) for r in s.ranks]
+        self.threads = [max(1, r.threads) for r in s.ranks]
+        self.lat = [tuple(x / 1e3 for x in r.latency_ms) for r in s.ranks]
+        self.sigma = [r.sigma for r in s.ranks]
+        self.cold = [r.cold for r in s.ranks]
+        self.need = [c.need for c in s.components]
+        self.sinks = [c.sinks for c in s.components]
+        self.state = [_IDLE] * n
+        self.sv = [0] * n  # spin versions (a message during the spin ends it)
+        self.waiting = [False] * n  # the scheduled turn is a batch's max_wait_ms deadline
+        self.tv = [0] * n  # turn versions (a newer scheduled turn makes older ones stale)
+        self.jv = [0] * n  # job versions (processor sharing reschedules a job's end)
+        self.last = [0.0] * n  # when the rank last finished work
+        self.inbox: list[list[list[int]]] = [[] for _ in range(n)]
+        self.ready: list[deque[tuple[float, int]]] = [deque() for _ in range(n)]
+        self.count: list[dict[int, int]] = [{} for _ in range(n)]
+        self.job: list[Any] = [None] * n  # what the running job does when it ends
+        self.busy = [0.0] * n
+        self.shared = bool(s.node_cores)
+        nodes = max(self.node) + 1
+        self.cores = list(s.node_cores) if self.shared else [math.inf] * nodes
+        self.jobs: list[dict[int, list[float]]] = [{} for _ in range(nodes)]  # rank -> [work left, threads]
+        self.spinners = [0] * nodes  # ranks polling after work: they take their share of the cores
+        self.spin_s = s.policy.spin_us / 1e6
+        self.rate = [1.0] * nodes
+        self.t_node = [0.0] * nodes
+        self.heap: list[tuple[float, int, int, int, Any]] = []
+        self.seq = 0
+        self.wait_s = s.policy.max_wait_ms / 1e3
+        self.fe_req = cal.frontend_us_per_request / 1e6
+        self.fe_msg = cal.frontend_us_per_message / 1e6
+        self.c_msg = cal.component_us_per_message / 1e6
+        self.c_req = cal.component_us_per_request / 1e6
+        same, cross = cal.same_node, cal.link(True)
+        self.m_same = same.latency_ms / 1e3
+        self.bw_same = same.gb_s * 1e9
+        self.m_cross = cross.latency_ms / 1e3
+        self.bw_cross = cross.gb_s * 1e9
+        p50 = cal.hop
+        p90 = cal.hop_p90
+        # the hop's spread as a lognormal: sigma from the p90 / p50 ratio at each gap (0.1 when unknown)
+        self._hop = p50
+        self._hop_sig = [(g, max(0.0, math.log(max(b, 1e-9) / max(a, 1e-9)) / 1.2816))
+                         for g, a, b in zip(p50.gaps_ms, p50.values_ms,
+                                            [p90.at(g) for g in p50.gaps_ms], strict=True)]
+        self._timer = cal.frontend_timer
+        self._cross = cal.cross_extra
+        self._fe_cold = cal.compute_cold
+        self.woke = [False] * n  # the scheduled turn ends a sleep (not a poll, nor the rank's own next turn)
+
+    # ------------------------------------------------------------------ events and costs
+    def push(self, t: float, kind: int, r: int, payload: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, r, payload))
+
+    def hop_extra(self, gap_s: float, cross: bool) -> float:
+        """Delay beyond a busy rank's message latency for a rank idle ``gap_s`` (seconds, jittered)."""
+        g = gap_s * 1e3
+        d = self._hop.at(g) + (self._cross.at(g) if cross else 0.0)
+        sig = self._hop_sig[0][1]
+        for gg, sg in self._hop_sig:
+            if gg <= g:
+                sig = sg
+        if sig > 0:
+            d *= math.exp(sig * self.noise())
+        return max(0.0, d / 1e3 - (self.m_cross if cross else self.m_same))
+
+    def send(self, t: float, src: int, dst: int, ids: list[int], nbytes: float) -> None:
+        cross = self.node[src] != self.node[dst]
+        if cross:
+            t += self.m_cross + nbytes / self.bw_cross
+        else:
+            t += self.m_same + nbytes / self.bw_same
+        self.push(t, _DLV, dst, (ids, cross))
+
+    def _reschedule(self, node: int, now: float) -> None:
+        jobs = self.jobs[node]
+        if not jobs:
+            return
+        threads = sum(j[1] for j in jobs.values()) + self.spinners[node]
+        rate = min(1.0, self.cores[node] / threads) / self.cal.corun(len(jobs))
+        self.rate[node] = rate
+        for r, j in jobs.items():
+            self.jv[r] += 1
+            self.push(now + j[0] / rate, _DONE, r, self.jv[r])
+
+    def _advance(self, node: int, now: float) -> None:
+        dt = now - self.t_node[node]
+        if dt > 0 and self.jobs[node]:
+            done = dt * self.rate[node]
+            for j in self.jobs[node].values():
+                j[0] = max(0.0, j[0] - done)
+        self.t_node[node] = now
+
+    def start_job(self, r: int, now: float, work: float, what: Any) -> None:
+        self.state[r] = _BUSY
+        self.job[r] = (now, what)
+        if not self.shared:
+            self.jv[r] += 1
+            self.push(now + work, _DONE, r, self.jv[r])
+            return
+        node = self.node[r]
+        self._advance(node, now)
+        self.jobs[node][r] = [work, float(self.threads[r])]
+        self._reschedule(node, now)
+
+    def end_job(self, r: int, now: float) -> Any:
+        t0, what = self.job[r]
+        self.busy[r] += now - t0
+        self.job[r] = None
+        if self.shared:
+            node = self.node[r]
+            self._advance(node, now)
+            del self.jobs[node][r]
+            self._reschedule(node, now)
+        return what
+
+    def spin(self, r: int, now: float) -> None:
+        """Nothing left to do: the rank polls back to back for ``spin_us`` (taking a core), then sleeps."""
+        self.last[r] = now
+        if self.spin_s <= 0:
+            self.state[r] = _IDLE
+            return
+        self.state[r] = _SPINNING
+        self.sv[r] += 1
+        self.push(now + self.spin_s, _SPIN, r, self.sv[r])
+        if self.shared:
+            node = self.node[r]
+            self._advance(node, now)
+            self.spinners[node] += 1
+            self._reschedule(node, now)
+
+    def unspin(self, r: int, now: float) -> None:
+        if self.shared:
+            node = self.node[r]
+            self._advance(node, now)
+            self.spinners[node] -= 1
+            self._reschedule(node, now)
+
+    def turn_now(self, r: int, t: float) -> None:
+        """A spinning rank sees the message (or arrival) at once: no wake-up."""
+        self.unspin(r, t)
+        self.state[r] = _SCHEDULED
+        self.tv[r] += 1
+        self.push(t, _TURN, r, self.tv[r])
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, arr: np.ndarray) -> SimRun:
+        s = self.s
+        n_req = len(arr)
+        self.arr = arr.tolist()
+        self.admit = [math.nan] * n_req
+        self.done = [math.nan] * n_req
+        self.status = [STATUS_PENDING] * n_req
+        self.routes: list[tuple[int, ...]] = [()] * n_req
+        self.missing = [0] * n_req
+        self.nxt = 0  # arrivals so far
+        self.adm = 0  # next request to admit
+        self.inflight = 0
+        self.order: deque[int] = deque()  # admitted requests in admission order (timeout scan)
+        self.router = ReplicaRouter([c.replicas for c in s.components], {r.rank: r.size for r in s.ranks})
+        self.timeout = s.policy.request_timeout_s
+        if n_req:
+            self.push(self.arr[0], _ARR, 0)
+        events = 0
+        heap = self.heap
+        pop = heapq.heappop
+        while heap:
+            t, _, kind, r, payload = pop(heap)
+            events += 1
+            if kind == _DLV:
+                ids, cross = payload
+                self.inbox[r].append(ids)
+                st = self.state[r]
+                if st == _SPINNING:
+                    self.turn_now(r, t)
+                elif st == _IDLE or self.waiting[r]:  # asleep, or until a batch's deadline: rung
+                    self.state[r] = _SCHEDULED
+                    self.woke[r] = st == _IDLE
+                    self.waiting[r] = False
+                    self.tv[r] += 1
+                    self.push(t + self.hop_extra(t - self.last[r], cross), _TURN, r, self.tv[r])
+            elif kind == _DONE:
+                if payload == self.jv[r] and self.job[r] is not None:
+                    if r == 0:
+                        self.fe_done(t)
+                    else:
+                        self.comp_done(r, t)
+            elif kind == _SPIN:
+                if payload == self.sv[r] and self.state[r] == _SPINNING:
+                    self.state[r] = _IDLE
+                    self.unspin(r, t)
+            elif kind == _TURN:
+                if payload == self.tv[r] and self.state[r] == _SCHEDULED:
+                    if r == 0:
+                        self.fe_turn(t)
+                    else:
+                        self.comp_turn(r, t)
+            else:  # _ARR
+                self.nxt += 1
+                if self.nxt < n_req:
+                    self.push(self.arr[self.nxt], _ARR, 0)
+                if self.inflight < s.policy.max_inflight:
+                    if self.state[0] == _SPINNING:
+                        self.turn_now(0, t)
+                    elif self.state[0] == _IDLE:  # asleep until this arrival: the timer's lag
+                        self.state[0] = _SCHEDULED
+                        self.woke[0] = True
+                        self.tv[0] += 1
+                        lag = self._timer.at((t - self.last[0]) * 1e3) / 1e3
+                        self.push(t + lag, _TURN, 0, self.tv[0])
+        done = np.asarray(self.done)
+        return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
+                      np.asarray(self.busy), events)
+
+    # ------------------------------------------------------------------ the frontend
+    def fe_turn(self, t: float) -> None:
+        s = self.s
+        pol = s.policy
+        out: dict[tuple[int, int], list[int]] = {}
+        n_adm = 0
+        arr, status, timeout = self.arr, self.status, self.timeout
+        while self.adm < self.nxt and self.inflight < pol.max_inflight and n_adm < pol.max_admit:
+            i = self.adm
+            self.adm += 1
+            if t - arr[i] > timeout:
+                status[i] = STATUS_TIMEOUT
+                continue
+            route = self.router.assign()
+            self.routes[i] = route
+            self.admit[i] = t
+            self.missing[i] = s.n_outputs
+            self.inflight += 1
+            self.order.append(i)
+            n_adm += 1
+            for ci, _ in s.entry:
+                out.setdefault((ci, route[ci]), []).append(i)
+        finished: list[int] = []
+        n_in = len(self.inbox[0])
+        for ids in self.inbox[0]:
+            for i in ids:
+                if status[i] == STATUS_PENDING and self.missing[i] > 0:
+                    self.missing[i] -= 1
+                    if self.missing[i] == 0:
+                        finished.append(i)
+        self.inbox[0] = []
+        order = self.order
+        while order and (status[order[0]] != STATUS_PENDING or t - arr[order[0]] > timeout):
+            i = order.popleft()
+            if status[i] == STATUS_PENDING and self.missing[i] > 0:
+                status[i] = STATUS_TIMEOUT
+                self.router.release(self.routes[i], failed=True)
+                self.inflight -= 1
+        # the frontend's Python and torch calls after a sleep run cold, as a small program does (compute_cold)
+        cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.woke[0] else 0.0
+        self.woke[0] = False
+        work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold
+        self.start_job(0, t, work, (out, finished))
+
+    def fe_done(self, t: float) -> None:
+        out, finished = self.end_job(0, t)
+        s = self.s
+        bytes_of = dict(s.entry)
+        for (ci, rank), ids in out.items():
+            self.send(t, 0, rank, ids, bytes_of[ci] * len(ids))
+        arr, status = self.arr, self.status
+        for i in finished:
+            if status[i] != STATUS_PENDING:
+                continue
+            self.inflight -= 1
+            if t - arr[i] > self.timeout:
+                status[i] = STATUS_TIMEOUT
+                self.router.release(self.routes[i], failed=True)
+            else:
+                status[i] = STATUS_OK
+                self.done[i] = t
+                self.router.release(self.routes[i])
+        self.last[0] = t
+        if self.inbox[0] or (self.adm < self.nxt and self.inflight < s.policy.max_inflight):
+            self.state[0] = _SCHEDULED
+            self.fe_turn(t)
+        else:
+            self.spin(0, t)
+
+    # ------------------------------------------------------------------ a component replica
+    def comp_turn(self, r: int, t: float) -> None:
+        self.waiting[r] = False
+        c = self.comp[r]
+        need = self.need[c]
+        ready = self.ready[r]
+        n_in = len(self.inbox[r])
+        n_before = len(ready)
+        if need == 1:
+            for ids in self.inbox[r]:
+                for i in ids:
+                    ready.append((t, i))
+        else:
+            cnt = self.count[r]
+            for ids in self.inbox[r]:
+                for i in ids:
+                    k = cnt.get(i, 0) + 1
+                    if k >= need:
+                        cnt.pop(i, None)
+                        ready.append((t, i))
+                    else:
+                        cnt[i] = k
+        self.inbox[r] = []
+        bs = self.bs[r]
+        if ready and (len(ready) >= bs or t - ready[0][0] >= self.wait_s):
+            b = min(bs, len(ready))
+            if self.trace is not None:
+                self.trace.append((r, t, [x[1] for x in list(ready)[n_before:]], [x[1] for x in list(ready)[:b]]))
+            ids = [ready.popleft()[1] for _ in range(b)]
+            lat = self.lat[r]
+            comp = lat[b - 1] if b <= len(lat) else lat[-1] * b / len(lat)
+            sig = self.sigma[r]
+            if sig > 0:
+                comp *= math.exp(sig * self.noise())
+            gap_ms = (t - self.last[r]) * 1e3
+            comp += self.cold[r].at(gap_ms) / 1e3
+            n_out = sum(1 for _ in self.sinks[c])  # at least one message per destination component
+            work = comp + self.c_msg * (n_in + n_out) + self.c_req * b
+            self.start_job(r, t, work, ids)
+            return
+        self.last[r] = t
+        if self.trace is not None:
+            self.trace.append((r, t, [x[1] for x in list(ready)[n_before:]], []))
+        if ready:  # a batch waits for max_wait_ms: the rank sleeps until then (or a message rings it)
+            self.wait_for_batch(r)
+        else:
+            self.spin(r, t)
+
+    def wait_for_batch(self, r: int) -> None:
+        self.state[r] = _SCHEDULED
+        self.waiting[r] = True
+        self.tv[r] += 1
+        t0 = self.ready[r][0][0]
+        due = t0 + self.wait_s
+        while due - t0 < self.wait_s:  # the first time the batch is due in floating point (Batcher.due's test)
+            due = math.nextafter(due, math.inf)
+        self.push(due, _TURN, r, self.tv[r])
+
+    def comp_done(self, r: int, t: float) -> None:
+        ids = self.end_job(r, t)
+        c = self.comp[r]
+        routes = self.routes
+        for dc, nbytes in self.sinks[c]:
+            if dc < 0:
+                self.send(t, r, 0, ids, nbytes * len(ids))
+                continue
+            groups: dict[int, list[int]] = {}
+            for i in ids:
+                groups.setdefault(routes[i][dc], []).append(i)
+            for dst, g in groups.items():
+                self.send(t, r, dst, g, nbytes * len(g))
+        self.last[r] = t
+        ready = self.ready[r]
+        if self.inbox[r] or (ready and (len(ready) >= self.bs[r] or t - ready[0][0] >= self.wait_s)):
+            self.state[r] = _SCHEDULED
+            self.comp_turn(r, t)
+        elif ready:
+            self.wait_for_batch(r)
+        else:
+            self.spin(r, t)

@@ -1,0 +1,179 @@
+"""The calibration job's raw figures as a :class:`~hpcsplit.core.calibration.Calibration` (pure: no MPI, no torch).
+
+[Note: calibration fit]
+From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`):
+
+- **CPU per batch and per request** of a component: its CPU seconds at saturation, batch 1 and batch 32, solve
+  ``cpu = a * batches + b * requests`` (``component_us_per_message = a / 2``: one message in, one out;
+  ``component_us_per_request = b``); the frontend's the same way, ``cpu = c * requests + d * messages``;
+- **links**: on one node the back-to-back ping-pong's one-way time (send to the replica's program) less the
+  replica's CPU before it (``recv = a / 2 + b``) is ``m + bytes / bandwidth`` at each size: ``m`` is the latency
+  of a small message to a busy rank; across nodes (no common clock) the round trip is ``2 m + turn + 2 * bytes /
+  bandwidth`` (``turn = a + b``);
+- **hop** to a rank idle ``g`` (the idle time the replica had, measured): the one-way time less ``recv`` (across
+  nodes: the round trip less ``turn`` less the way back ``m``), at least ``m``; ``hop_p90`` the same at the
+  90th percentile; ``cross_extra``: the cross-node hop less the same-node hop at the same nominal gap;
+- **frontend timer**: the runtime frontend's median admission lag (admit - arrival) with requests ``g`` apart,
+  against its idle time (``g`` less the pipeline time);
+- **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
+  ``k`` ranks computing at once; cold extras = median after a gap less median back to back (0 at least).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hpcsplit import __version__
+from hpcsplit.core.calibration import Calibration, Curve, Link, ProgramCal, utc_now
+
+__all__ = ["fit"]
+
+
+def _med(v: Sequence[float]) -> float:
+    return float(np.median(v)) if len(v) else math.nan
+
+
+def _var(v: Sequence[float]) -> float:
+    """A robust variance (from the interquartile range)."""
+    if len(v) < 4:
+        return 0.0
+    q1, q3 = np.quantile(v, [0.25, 0.75])
+    return float(((q3 - q1) / 1.349) ** 2)
+
+
+def _solve2(x1: tuple[float, float], y1: float, x2: tuple[float, float], y2: float) -> tuple[float, float] | None:
+    """``(a, b)`` with ``a * x[0] + b * x[1] = y`` for both rows, both >= 0; None when that fails."""
+    m = np.array([x1, x2], dtype=float)
+    if abs(np.linalg.det(m)) < 1e-12:
+        return None
+    a, b = np.linalg.solve(m, np.array([y1, y2], dtype=float))
+    return (float(a), float(b)) if a >= 0 and b >= 0 else None
+
+
+def _cpu(chains: Mapping[str, Any]) -> tuple[float, float, float, float]:
+    """(component s per batch, per request, frontend s per request, per message) from the saturation runs."""
+    s1, s32 = chains.get("saturation b1", {}), chains.get("saturation b32", {})
+    c1, c32 = s1.get("component", {}), s32.get("component", {})
+    f1, f32 = s1.get("saturation", {}), s32.get("saturation", {})
+    if not (c1 and f1):
+        return 20e-6, 0.0, 200e-6, 0.0
+    per_batch = c1["cpu_s"] / max(1, c1["batches"])
+    ab = None
+    if c32:
+        ab = _solve2((c1["batches"], c1["requests"]), c1["cpu_s"], (c32["batches"], c32["requests"]), c32["cpu_s"])
+    a, b = ab if ab is not None else (per_batch, 0.0)
+    fe_req = f1["frontend_cpu_s"] / max(1, f1["requests"])
+    cd = None
+    if c32 and f32:
+        m1 = 2 * c1["batches"] * f1["requests"] / max(1, c1["requests"])
+        m32 = 2 * c32["batches"] * f32["requests"] / max(1, c32["requests"])
+        cd = _solve2((f1["requests"], m1), f1["frontend_cpu_s"], (f32["requests"], m32), f32["frontend_cpu_s"])
+    c, d = cd if cd is not None else (fe_req, 0.0)
+    return a, b, c, d
+
+
+def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
+              floor_ms: float) -> tuple[Link, dict[float, tuple[float, float, float]]]:
+    """The link (latency to a busy rank, bandwidth) and, per nominal gap, ``(idle ms, hop ms, hop p90 ms)``.
+
+    With one-way times (one clock) the hop is the one-way time less the replica's CPU before its program ran
+    (``recv_ms``); from round trips it is the round trip less the replica's turn less the way back (``m``).
+    """
+    streams = sorted((int(v["bytes"]), v) for k, v in pp.items() if k.startswith("stream "))
+    one_way = bool(streams) and all(math.isfinite(x) for _, v in streams for x in v.get("one_way_ms", [math.nan]))
+
+    m, gb_s = floor_ms, 0.5
+    sizes: tuple[int, ...] = ()
+    ways: tuple[float, ...] = ()
+    if streams:
+        sz = np.array([b for b, _ in streams], dtype=float)
+        per = np.array([(float(np.median(v["one_way_ms"])) - recv_ms) if one_way
+                        else (float(np.median(v["rtt_ms"])) - turn_ms) / 2 for _, v in streams], dtype=float)
+        m = max(floor_ms, float(per[0]))
+        if len(streams) >= 2 and sz[-1] > sz[0]:
+            slope = float(np.polyfit(sz, per, 1)[0])  # ms per byte one way
+            if slope > 0:
+                gb_s = min(1e4, 1.0 / (slope * 1e6))
+        sizes = tuple(int(x) for x in sz)
+        ways = tuple(float(max(floor_ms, x)) for x in per)
+    hops: dict[float, tuple[float, float, float]] = {}
+    for k, v in pp.items():
+        if k.startswith("gap ") and v["rtt_ms"]:
+            idle = _med(v["idle_ms"])
+            if one_way:
+                h50 = float(np.median(v["one_way_ms"])) - recv_ms
+                h90 = float(np.quantile(v["one_way_ms"], 0.9)) - recv_ms
+            else:  # the round trip less the replica's turn and the way back to a rank that just sent
+                h50 = float(np.median(v["rtt_ms"])) - turn_ms - m
+                h90 = float(np.quantile(v["rtt_ms"], 0.9)) - turn_ms - m
+            hops[float(v["gap_ms"])] = (idle, max(m, h50), max(m, h90))
+    return Link(float(m), float(gb_s), sizes, ways), hops
+
+
+def _increasing(points: list[tuple[float, float]]) -> Curve:
+    """A curve through ``points`` (gap, value), dropping gaps that do not increase."""
+    gs: list[float] = []
+    vs: list[float] = []
+    for g, v in sorted(points):
+        if math.isfinite(v) and (not gs or g > gs[-1]):
+            gs.append(float(g))
+            vs.append(float(max(0.0, v)))
+    return Curve(tuple(gs), tuple(vs)) if gs else Curve.constant(0.0)
+
+
+def _cold(b2b: Sequence[float], after: Mapping[str, Sequence[float]]) -> Curve:
+    base = _med(b2b)
+    return _increasing([(0.0, 0.0)] + [(float(g), _med(v) - base) for g, v in after.items()])
+
+
+def fit(raw: Mapping[str, Any]) -> Calibration:
+    """``[Note: calibration fit]``: the raw figures of one calibration job as a :class:`Calibration`."""
+    chains = raw.get("chains", {})
+    notes: list[str] = []
+    a, b, c, d = _cpu(chains)
+    turn_ms = (a + b) * 1e3  # a batch of one: the CPU the simulator charges itself
+    recv_ms = (a / 2 + b) * 1e3  # the replica's CPU from a message's arrival to its program: one message, one request
+    same, hops = _pingpong(chains.get("pingpong", {}), recv_ms, turn_ms, 0.002)
+    hop = [(0.0, same.latency_ms)] + [(h[0], h[1]) for _, h in sorted(hops.items())]
+    p90 = [(0.0, same.latency_ms)] + [(h[0], h[2]) for _, h in sorted(hops.items())]
+    timer = [(0.0, 0.0)]
+    for k, v in sorted(chains.get("one", {}).items()):
+        if k.startswith("gap "):
+            timer.append((max(0.0, float(v["gap_ms"]) - _med(v["pipe_ms"])), _med(v["lag_ms"])))
+    cross_link, cross_extra = None, Curve.constant(0.0)
+    if chains.get("pingpong cross"):
+        cross_link, xhops = _pingpong(chains["pingpong cross"], recv_ms, turn_ms, same.latency_ms)
+        pts = [(0.0, cross_link.latency_ms - same.latency_ms)]
+        pts += [(hops[g][0], xh[1] - hops[g][1]) for g, xh in sorted(xhops.items()) if g in hops]
+        cross_extra = _increasing(pts)
+    gflops = {int(k): float(v) for k, v in (raw.get("gflops") or {"1": 30.0}).items()}
+    rates = raw.get("corun_gflops") or {}
+    alone = _med(rates.get("1", [])) if rates.get("1") else math.nan
+    corun = [1.0]
+    for k in sorted((int(k) for k in rates), key=int):
+        if k >= 2 and rates[str(k)] and math.isfinite(alone):
+            corun.append(max(1.0, alone / float(np.mean(rates[str(k)]))))
+    small = raw.get("small") or {}
+    cold = _cold(small.get("b2b_ms", []), small.get("after_ms", {})) if small else Curve.constant(0.0)
+    progs: dict[str, ProgramCal] = {}
+    sha = None
+    praw = raw.get("programs")
+    if praw:
+        sha = praw.get("switchboard_sha256")
+        for name, v in praw["programs"].items():
+            progs[name] = ProgramCal(_med(v["b2b_ms"]), _cold(v["b2b_ms"], v["after_ms"]))
+    hosts = tuple(dict.fromkeys(str(h) for h in raw.get("hosts", ())))
+    return Calibration(
+        source="measured", created_utc=utc_now(), hpcsplit_version=__version__, cluster=str(raw.get("cluster", "")),
+        hosts=hosts, nodes=max(1, len(hosts)), cores_per_node=int(raw.get("cores_per_node") or 0),
+        device_kind="cpu", hop=_increasing(hop), hop_p90=_increasing(p90), frontend_timer=_increasing(timer),
+        compute_cold=cold, same_node=same, cross_node=cross_link, cross_extra=cross_extra,
+        frontend_us_per_request=c * 1e6, frontend_us_per_message=d * 1e6,
+        component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
+        compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
+        notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",),
+    )

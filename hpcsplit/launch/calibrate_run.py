@@ -1,0 +1,345 @@
+"""The calibration job's measurements (``stage=calibrate``; imported by :mod:`hpcsplit.launch.calibrate` once the
+rank's threads are set).
+
+[Note: calibration measurements]
+Every rank takes part in one fixed sequence of steps (the same on every rank, so the job cannot deadlock); in
+each chain the components run the runtime's own loop (``serve_component``) on ``x + 1``:
+
+1. **ping-pong** with a replica on rank 0's node, and with one on another node when the job has one: rank 0
+   sends each request once the replica has been idle a gap (``gaps_ms``; back to back at each of
+   ``sizes_bytes`` first) and waits for the answer as the runtime's loops wait; the replica's program stamps the
+   time it ran into its answer, so on one node the hop to a rank idle that long (its backoff, doorbell, wake-up
+   and cold caches) is measured one way; across nodes the round trip;
+2. **chains through the runtime's frontend**, ``one`` (frontend -> a -> frontend) and ``two`` (-> a -> b ->),
+   with requests ``chain_gaps_ms`` apart: the frontend's admission lag after a sleep (admit - arrival), and
+   pipeline times the simulator is checked against;
+3. **saturation**: ``saturation_requests`` all at once through ``one`` with the component at batch 1, then
+   at batch 32: the frontend's and the component's CPU seconds per request and per message;
+4. **compute**: a fixed matmul set on rank 0 at each thread count (GFLOP/s), then on ``k`` ranks of rank 0's
+   node at once for one second each (``corun_slowdown``); a small program (Linear 64 -> 256, ReLU, batch 1)
+   back to back and after each idle gap (``compute_cold``);
+5. **programs** (``calibrate.programs`` and a switchboard in the run folder or ``switchboard=PATH``): each
+   component and the whole model at batch 1, back to back and after ``program_gaps_ms`` idle.
+
+Ranks not in a step wait at a non-spinning barrier.  Rank 0 turns the raw figures into a
+:class:`~hpcsplit.core.calibration.Calibration` (:func:`hpcsplit.launch.calibrate_fit.fit`) and writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcsplit.core.calibration import load_calibration
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.plan import Plan, RankEntry
+from hpcsplit.errors import CalibrationError
+from hpcsplit.launch.calibrate import CalibrateSettings
+from hpcsplit.launch.calibrate_fit import fit
+from hpcsplit.runtime import transport as tp
+from hpcsplit.runtime.component import serve_component
+from hpcsplit.runtime.context import barrier, say
+from hpcsplit.runtime.doorbell import start_doorbell
+from hpcsplit.runtime.frontend import Frontend
+from hpcsplit.runtime.mailbox import Backoff, Inbox, Outbox, spin_after_work_s
+from hpcsplit.runtime.routing import Dataflow, GraphSpec, build_dataflow
+from hpcsplit.runtime.settings import RuntimeSettings
+from hpcsplit.runtime.threads import cpu_seconds
+from hpcsplit.switchboard.reader import Switchboard
+
+__all__ = ["calibrate", "chain_dataflow"]
+
+WAIT_SLEEP_S = 0.02  # ranks outside a step poll their barrier at most 50 times a second
+MATMUL_SIZES = (256, 512, 1024)
+CORUN_S = 1.0
+SMALL_RUNS = 50
+
+
+def chain_dataflow(ranks: list[int], batch: int) -> Dataflow:
+    """The dataflow frontend -> ranks[0] -> ranks[1] -> ... -> frontend of ``x + 1`` components.
+
+    Built for a contiguous plan (ranks 1..k) and renumbered, so any ranks of the job can serve it.
+    """
+    names = [f"c{i}" for i in range(len(ranks))]
+    edges = [("input", "x", names[0], "x")]
+    edges += [(a, "x", b, "x") for a, b in itertools.pairwise(names)]
+    edges.append((names[-1], "x", "output", "x"))
+    graph = GraphSpec(("x",), ("x",), tuple((n, ("x",), ("x",)) for n in names), tuple(edges))
+    entries = [RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0)]
+    entries += [RankEntry(i + 1, "component", 0, None, None, 1, n, batch, 0) for i, n in enumerate(names)]
+    plan = Plan("calibrate", None, "cpu", 1, tuple(entries), dict.fromkeys(names, 0.0), {})
+    df = build_dataflow(plan, graph)
+    real = {i + 1: r for i, r in enumerate(ranks)}
+    comps = tuple(dataclasses.replace(c, replicas=tuple(real[r] for r in c.replicas)) for c in df.components)
+    return dataclasses.replace(df, components=comps, world_size=max(ranks) + 1,
+                               rank_component={real[r]: n for r, n in df.rank_component.items()})
+
+
+class _Job:
+    """One rank's view of the calibration job (see ``[Note: calibration measurements]``)."""
+
+    def __init__(self, comm: Any, s: CalibrateSettings, rt: RuntimeSettings) -> None:
+        self.comm, self.s, self.rt = comm, s, rt
+        self.rank = comm.Get_rank()
+        self.hosts = [str(h) for h in comm.allgather(socket.gethostname())]
+        self.same = [r for r in range(1, len(self.hosts)) if self.hosts[r] == self.hosts[0]]
+        self.cross = [r for r in range(len(self.hosts)) if self.hosts[r] != self.hosts[0]]
+        self.raw: dict[str, Any] = {"hosts": self.hosts, "chains": {}, "saturation": {}}
+        self.spin_s = spin_after_work_s(rt.spin_us, "bench", len(self.same) + 1)
+
+    def wait(self, what: str) -> None:
+        barrier(self.comm, None, WAIT_SLEEP_S, self.rt.load_timeout_s, f"calibration: {what}")
+
+    # ------------------------------------------------------------------ chains
+    def chain(self, name: str, ranks: list[int], batch: int, drive: Any, fn: Any = None) -> None:
+        """Serve ``ranks`` as a chain of components (``x + 1``, or ``fn``) while rank 0 runs ``drive(df)``, then STOP."""
+        df = chain_dataflow(ranks, batch)
+        self.wait(f"{name}: start")
+        if self.rank in ranks:
+            st = serve_component(self.comm, df, df.rank_component[self.rank], fn or (lambda x: x + 1), batch, 0.0,
+                                 self.rt.request_timeout_s, idle_sleep_s=self.rt.idle_sleep_ms / 1e3,
+                                 spin_s=self.spin_s)
+            self.raw["chains"].setdefault(name, {})["component"] = {k: st[k] for k in ("batches", "requests", "cpu_s")}
+        elif self.rank == 0:
+            self.raw["chains"].setdefault(name, {}).update(drive(df))
+        self.wait(f"{name}: stop")
+
+    def frontend_sessions(self, sessions: list[tuple[str, Any]]) -> Any:
+        """A chain driver: the runtime's own frontend runs ``sessions`` (label, (kind, arguments))."""
+        def drive(df: Dataflow) -> dict[str, Any]:
+            fe = Frontend(self.comm, df, None, self.rt.idle_sleep_ms / 1e3, self.spin_s)
+            x = torch.zeros(4, 16)
+            fe.run(np.zeros(5), lambda idx: [x.index_select(0, torch.as_tensor(idx % 4))], None,
+                   self.rt.request_timeout_s, 1)  # first messages of a chain (connections, caches) are not timed
+            out = {}
+            for label, spec in sessions:
+                out[label] = r = self.session(fe, spec)
+                say(0, f"calibration: frontend {label}: pipeline p50 {np.median(r['pipe_ms']):.3f} ms, admission lag "
+                       f"p50 {np.median(r['lag_ms']):.3f} ms ({len(r['pipe_ms'])} requests)")
+            fe.stop_all(self.rt.wait_bound_s)  # every request finished (a timeout raises): nothing left to drop
+            return out
+        return drive
+
+    def pingpong(self, sizes: tuple[int, ...], gaps_ms: tuple[float, ...], same_clock: bool) -> Any:
+        """A chain driver: rank 0 sends each request once the replica has been idle the gap and waits for the
+        answer as the runtime's loops wait (its backoff and doorbell).  The replica's program writes the time it
+        runs into its answer (:func:`_stamped`): on one node (one clock) that less the send time is the one-way
+        hop to a rank idle that long; across nodes only the round trip is used (``[Note: calibration fit]``)."""
+        def drive(df: Dataflow) -> dict[str, Any]:
+            comm, dest = self.comm, df.components[0].replicas[0]
+            inbox, outbox = Inbox(comm), Outbox()
+            backoff = Backoff(spin_s=self.spin_s, deep_sleep_s=self.rt.idle_sleep_ms / 1e3)
+            ids = iter(range(1 << 40))
+            out: dict[str, Any] = {}
+            last = [time.perf_counter()]
+
+            def one(x: torch.Tensor, gap_s: float) -> tuple[float, float, float]:
+                due = last[0] + gap_s
+                while (now := time.perf_counter()) < due:  # as the frontend waits for an arrival
+                    backoff.idle(now, due, False, quiet=True)
+                backoff.reset()
+                t0 = time.perf_counter()
+                outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [next(ids)], [(dest,)], [(0, x)]), dest)
+                deadline = t0 + self.rt.request_timeout_s
+                while not (got := inbox.poll()):
+                    now = time.perf_counter()
+                    if now > deadline:
+                        raise CalibrationError(f"calibration: rank {dest} did not answer within "
+                                               f"{self.rt.request_timeout_s:g} s (runtime.request_timeout_s)")
+                    outbox.reap()
+                    backoff.idle(now, deadline, bool(inbox.pending) or outbox.in_flight(now),
+                                 quiet=not inbox.pending and not outbox.pending)
+                backoff.reset()
+                last[0] = time.perf_counter()
+                ran = float(got[0][0].tensors[0][0, 0])
+                return (last[0] - t0) * 1e3, ((ran - t0) * 1e3 if same_clock else float("nan")), (t0 - due + gap_s) * 1e3
+
+            for b in sizes:
+                x = torch.zeros(1, max(1, b // 8), dtype=torch.float64)
+                for _ in range(5):
+                    one(x, 0.0)
+                got = [one(x, 0.0) for _ in range(self.s.samples)]
+                out[f"stream {b}"] = {"bytes": b, "rtt_ms": [g[0] for g in got], "one_way_ms": [g[1] for g in got]}
+            x = torch.zeros(1, 16, dtype=torch.float64)
+            for g in gaps_ms:
+                got = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples) + 1)][1:]
+                out[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [p[0] for p in got], "one_way_ms": [p[1] for p in got],
+                                     "idle_ms": [p[2] for p in got]}
+                say(0, f"calibration: ping-pong to rank {dest} idle {g:g} ms: round trip p50 "
+                       f"{np.median(out[f'gap {g:g}']['rtt_ms']):.3f} ms, one way p50 "
+                       f"{np.median(out[f'gap {g:g}']['one_way_ms']):.3f} ms")
+            outbox.add(tp.isend_message(comm, dest, tp.KIND_STOP), dest)
+            outbox.drain(timeout_s=self.rt.wait_bound_s)
+            return out
+        return drive
+
+    def session(self, fe: Frontend, spec: tuple[str, Any]) -> dict[str, Any]:
+        kind, arg = spec
+        x = torch.zeros(4, 16)
+
+        def get(idx: np.ndarray) -> list[torch.Tensor]:
+            return [x.index_select(0, torch.as_tensor(idx % 4))]
+
+        timeout = self.rt.request_timeout_s
+        if kind == "gap":
+            n = arg["n"] + 2
+            res = fe.run(np.arange(n) * arg["gap_ms"] / 1e3, get, None, timeout, self.rt.max_inflight)
+        else:  # saturation: everything at once
+            fe.run(np.zeros(min(200, arg["n"])), get, None, timeout, 256)
+            c0 = cpu_seconds()
+            res = fe.run(np.zeros(arg["n"]), get, None, timeout, 256)
+            return {"requests": int(res.ok.sum()), "wall_s": res.wall_s, "frontend_cpu_s": cpu_seconds() - c0,
+                    "pipe_ms": [float(np.median((res.done_s - res.admit_s)[res.ok]) * 1e3)], "lag_ms": [0.0]}
+        if not res.ok.all():
+            raise CalibrationError(f"calibration: {int((~res.ok).sum())} of {len(res.ok)} requests of a {kind} session "
+                                   "timed out; the machine is too loaded to calibrate (or a rank is stuck)")
+        return {"pipe_ms": ((res.done_s - res.admit_s)[2:] * 1e3).tolist(),
+                "lag_ms": ((res.admit_s - res.arrival_s)[2:] * 1e3).tolist(), **arg}
+
+    def gap_sessions(self, gaps: tuple[float, ...]) -> list[tuple[str, Any]]:
+        s = self.s
+        return [(f"gap {g:g}", ("gap", {"gap_ms": g, "n": max(3, min(s.samples, int(s.max_gap_time_s * 1e3 / g)))}))
+                for g in gaps]
+
+    # ------------------------------------------------------------------ compute
+    def matmul_rate(self, threads: int, seconds: float | None = None) -> float:
+        """GFLOP/s of the matmul set at ``threads`` (for ``seconds`` of repeats when given)."""
+        torch.set_num_threads(threads)
+        mats = [(torch.randn(n, n), torch.randn(n, n)) for n in MATMUL_SIZES]
+        with torch.inference_mode():
+            for a, b in mats:
+                a @ b
+            flops, t0, reps = 0.0, time.perf_counter(), 0
+            while True:
+                for a, b in mats:
+                    a @ b
+                    flops += 2.0 * a.shape[0] ** 3
+                reps += 1
+                el = time.perf_counter() - t0
+                if (seconds is None and reps >= 3) or (seconds is not None and el >= seconds):
+                    break
+        torch.set_num_threads(1)
+        return flops / el / 1e9
+
+    def small_cold(self) -> dict[str, Any]:
+        lin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU()).eval()
+        x = torch.randn(1, 64)
+        with torch.inference_mode():
+            b2b = _times(lambda: lin(x), SMALL_RUNS, 0.0)
+            after = {g: _times(lambda: lin(x), self._runs(g, self.s.samples), g / 1e3) for g in self.s.gaps_ms}
+        return {"b2b_ms": b2b, "after_ms": {str(g): v for g, v in after.items()}}
+
+    def _runs(self, gap_ms: float, want: int) -> int:
+        return max(3, min(want, int(self.s.max_gap_time_s * 1e3 / gap_ms)))
+
+    def programs(self, paths: RunPaths) -> dict[str, Any] | None:
+        if not self.s.programs or not (paths.switchboard / "layout.json").is_file():
+            return None
+        sb = Switchboard.load(paths.switchboard)
+        acts = sb.component_example_inputs(1)
+        progs: dict[str, Any] = {}
+        with torch.inference_mode():
+            for name in (*sb.order, "whole"):
+                fn = sb.load_whole() if name == "whole" else sb.load_component(name)
+                args = tuple(sb.example_inputs(1)) if name == "whole" else tuple(acts[name])
+                for _ in range(2):
+                    fn(*args)
+                b2b = _times(lambda fn=fn, args=args: fn(*args), self.s.program_runs + 2, 0.0)
+                after = {str(g): _times(lambda fn=fn, args=args: fn(*args), self.s.program_runs, g / 1e3)
+                         for g in self.s.program_gaps_ms}
+                progs[name] = {"b2b_ms": b2b, "after_ms": after}
+                say(0, f"calibration: program {name!r}: batch 1 back to back p50 {np.median(b2b):.3f} ms, after "
+                       + ", ".join(f"{g} ms idle {np.median(v):.3f}" for g, v in after.items()))
+        return {"switchboard_sha256": sb.sha256, "programs": progs}
+
+
+def _stamped(x: torch.Tensor) -> torch.Tensor:
+    """The ping-pong replica's program: its input with the time it ran (``time.perf_counter``) in the first entry."""
+    y = x.clone()
+    y[:, 0] = time.perf_counter()
+    return y
+
+
+def _times(fn: Any, n: int, sleep_s: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        if sleep_s:
+            time.sleep(sleep_s)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeSettings,
+              paths: RunPaths) -> dict[str, Any] | None:
+    """Run every step of ``[Note: calibration measurements]``; rank 0 writes the file and returns a summary."""
+    job = _Job(comm, s, rt)
+    rank = job.rank
+    if not job.same:
+        raise CalibrationError(f"stage=calibrate needs at least 2 ranks on rank 0's node ({job.hosts[0]}); the job has "
+                               f"{len(job.hosts)} rank(s) on {sorted(set(job.hosts))}: set calibrate.ranks (>= 3)")
+    db = start_doorbell(comm, rt.doorbell is True, rt.doorbell_network) if rt.doorbell else None
+    if db is not None and db.note and rank == 0:
+        say(0, db.note)
+    t0 = time.perf_counter()
+    a = job.same[0]
+    job.chain("pingpong", [a], 1, job.pingpong(s.sizes_bytes, s.gaps_ms, True), _stamped)
+    if job.cross:
+        job.chain("pingpong cross", [job.cross[0]], 1, job.pingpong(s.sizes_bytes, s.gaps_ms, False), _stamped)
+    check = job.gap_sessions(s.chain_gaps_ms)
+    job.chain("one", [a], 1, job.frontend_sessions(check))
+    if len(job.same) >= 2:
+        job.chain("two", job.same[:2], 1, job.frontend_sessions(check))
+    for b in (1, 32):
+        job.chain(f"saturation b{b}", [a], b,
+                  job.frontend_sessions([("saturation", ("saturation", {"n": s.saturation_requests}))]))
+    job.wait("compute: start")
+    cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
+    threads = s.threads or tuple(cluster.cpu_threads) or (1,)
+    if rank == 0:
+        job.raw["gflops"] = {str(int(t)): job.matmul_rate(int(t)) for t in threads}
+        say(0, "calibration: matmul set " + ", ".join(f"{t} thread(s) {v:.1f} GFLOP/s"
+                                                       for t, v in job.raw["gflops"].items()))
+    node0 = [0, *job.same]
+    k_max = min(len(node0), max(1, cluster.cores_per_node))
+    rates: dict[str, list[float]] = {}
+    for k in range(1, k_max + 1):
+        job.wait(f"corun {k}")
+        mine = job.matmul_rate(1, CORUN_S) if rank in node0[:k] else None
+        got = comm.gather(mine, root=0)
+        if rank == 0:
+            rates[str(k)] = [float(v) for v in got if v is not None]
+    job.wait("small program")
+    if rank == 0:
+        job.raw["corun_gflops"] = rates
+        job.raw["small"] = job.small_cold()
+        job.raw["programs"] = job.programs(paths)
+    job.wait("programs")
+    comp = comm.gather(job.raw["chains"], root=0)
+    if db is not None:
+        db.close()
+    if rank != 0:
+        return None
+    for part in comp[1:]:
+        for name, d in part.items():
+            job.raw["chains"].setdefault(name, {}).update(d)
+    job.raw["cores_per_node"] = cluster.cores_per_node
+    job.raw["cluster"] = cluster.name
+    job.raw["wall_s"] = time.perf_counter() - t0
+    cal = fit(job.raw)
+    out = cal.save(paths.own_calibration)
+    raw_path = out.with_name(out.stem + ".raw.json")  # the measurements the file was fitted from (for a person)
+    raw_path.write_text(json.dumps(job.raw, indent=1, default=float) + "\n")
+    load_calibration(out)  # what every reader will check
+    say(0, f"calibration written to {out} in {job.raw['wall_s']:.0f} s: {cal.describe()}")
+    return {"calibration": str(out), "summary": cal.describe(), "wall_s": job.raw["wall_s"],
+            "hop_ms": dict(zip(cal.hop.gaps_ms, cal.hop.values_ms, strict=True))}

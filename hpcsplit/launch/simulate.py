@@ -1,0 +1,384 @@
+"""``stage=simulate``: predict a plan's throughput and latency per offered load before running it.
+
+    python -m hpcsplit stage=simulate plan=PATH switchboard=PATH profile=PATH [calibration=PATH]
+
+The split plan and the whole model on its component ranks (the bench's two variants) are simulated
+(:mod:`hpcsplit.core.simulator`, ``[Note: simulator]``) at each offered load, with Poisson and bursty arrivals,
+from the profile and the calibration (``calibration=PATH``, else the run folder's ``calibration.json``, else the
+documented defaults, which the table says).  When the run folder holds a bench of the same plan
+(``bench/bench.json`` names its sha256) the bench's own levels, schedules and serving settings are simulated,
+and predicted and measured figures are written side by side (``simulate/compare.csv``, ``summary.md``).
+
+Files under ``RUN_DIR/simulate/``: ``predicted.csv`` (variant, arrival, offered load, achieved, p50/p90/p99),
+``compare.csv`` (with a bench), ``latency_vs_qps.png``, ``throughput_vs_qps.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcsplit.core.calibration import Calibration, calibration_for
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.load import ARRIVALS, level_arrivals, summarize
+from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.plan import Plan
+from hpcsplit.core.profile_format import ComponentProfile, read_profile
+from hpcsplit.core.settings import Checker, group_defaults
+from hpcsplit.core.sim_model import SimGraph, build_system
+from hpcsplit.core.simulator import ServePolicy, SimSystem, simulate
+from hpcsplit.errors import ConfigError
+from hpcsplit.launch.pipeline import load_manifest
+from hpcsplit.launch.summary import write_summary
+from hpcsplit.runtime.settings import stage_settings
+from hpcsplit.switchboard.layout import load_layout
+
+__all__ = ["SETTINGS", "Predicted", "Schedule", "SimulateSettings", "compare_rows", "predict", "run_simulate"]
+
+VARIANTS = ("whole", "split")
+SATURATED = 0.9  # a measured level whose achieved rate is below this share of what its schedule offers is saturated
+RUN_REQUESTS = 2000  # a level is simulated ``runs`` times, or fewer once that many requests were simulated
+
+
+@dataclass(frozen=True, slots=True)
+class SimulateSettings:
+    """``conf/simulate/default.yaml`` (meanings there)."""
+
+    qps: tuple[float, ...] | None
+    arrivals: tuple[str, ...]
+    variants: tuple[str, ...]
+    runs: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> SimulateSettings:
+        """Read ``cfg["simulate"]`` over the defaults; one ConfigError lists every problem.
+
+        >>> SimulateSettings.from_config({"simulate": {"qps": [2, 4]}}).qps
+        (2.0, 4.0)
+        """
+        node = cfg.get("simulate")
+        c = Checker("simulate", {**group_defaults("simulate"), **(node if isinstance(node, Mapping) else {})},
+                    [f.name for f in fields(cls)])
+        q = c.get("qps")
+        qps = None
+        if q is not None:
+            items = q if isinstance(q, list | tuple) else [q]
+            if not items or any(isinstance(x, bool) or not isinstance(x, int | float) or not x > 0 for x in items):
+                c.problem(f"simulate.qps = {q!r}: needs a non-empty list of numbers > 0, or null")
+            else:
+                qps = tuple(float(x) for x in items)
+        out = cls(qps=qps, arrivals=_names(c, "arrivals", ARRIVALS), variants=_names(c, "variants", VARIANTS),
+                  runs=c.integer("runs", lo=1, hi=1000), seed=c.integer("seed"))
+        c.done()
+        return out
+
+
+SETTINGS: dict[str, type | dict[str, type]] = {"simulate": SimulateSettings}
+
+
+def _names(c: Checker, key: str, valid: Sequence[str]) -> tuple[str, ...]:
+    v = c.get(key)
+    if not isinstance(v, list | tuple) or not v or any(x not in valid for x in v) or len(set(v)) != len(v):
+        c.problem(f"simulate.{key} = {v!r}: needs a non-empty list of distinct names from {list(valid)}")
+        return tuple(valid[:1])
+    return tuple(str(x) for x in v)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The levels to simulate: the bench's (``bench/bench.json``) or the config's ``bench`` and ``runtime``."""
+
+    qps: tuple[float, ...]
+    duration_s: float
+    min_requests: int
+    arrival: str  # the process the bench used (others are simulated on the same durations and seeds)
+    seed: int
+    policy: ServePolicy
+    source: str  # "bench" (a recorded bench of this plan) or "config"
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """One simulated level: the medians over ``runs`` simulations of the same schedule."""
+
+    variant: str
+    arrival: str
+    offered_qps: float
+    n_requests: int
+    schedule_qps: float  # the rate the schedule itself offers: (requests - 1) / its span (Poisson varies)
+    success_rate: float
+    achieved_qps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    sim_s: float  # wall seconds the simulations of this level took
+
+
+def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequence[str], runs: int,
+            seed: int = 0) -> list[Predicted]:
+    """Simulate every variant x arrival process x level of ``schedule`` ``runs`` times (fewer for a level of many
+    requests: at least :data:`RUN_REQUESTS` requests in all); medians per level."""
+    out = []
+    for variant, system in systems.items():
+        for kind in arrivals:
+            for i, q in enumerate(schedule.qps):
+                arr = level_arrivals(q, i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
+                t0 = time.perf_counter()
+                ss = []
+                span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
+                for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
+                    r = simulate(system, arr, seed=seed + 1000 * k + i)
+                    ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok))
+                med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
+                       for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms")}
+                out.append(Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
+                                     sim_s=time.perf_counter() - t0, **med))
+    return out
+
+
+def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str) -> list[dict[str, Any]]:
+    """Predicted beside measured per (variant, level) of the bench's arrival process, with the errors.
+
+    A level whose measured achieved rate is below :data:`SATURATED` of what its schedule offers (its requests over
+    its span: a Poisson schedule of 30 requests offers 20 % more or less than the nominal rate) is *saturated*: its
+    throughput is compared; the others' p50 and p99.
+    """
+    by = {(p.variant, p.offered_qps): p for p in pred if p.arrival == arrival}
+    rows = []
+    for m in measured:
+        key = (str(m["variant"]), float(m["offered_qps"]))
+        p = by.get(key)
+        if p is None:
+            continue
+        mq, m50, m99 = float(m["achieved_qps"]), float(m["p50_ms"]), float(m["p99_ms"])
+        saturated = mq < SATURATED * p.schedule_qps
+        rows.append({
+            "variant": key[0], "offered_qps": key[1], "saturated": saturated,
+            "measured_qps": mq, "predicted_qps": p.achieved_qps, "qps_err_pct": _err(p.achieved_qps, mq),
+            "measured_p50_ms": m50, "predicted_p50_ms": p.p50_ms, "p50_err_pct": _err(p.p50_ms, m50),
+            "measured_p99_ms": m99, "predicted_p99_ms": p.p99_ms, "p99_err_pct": _err(p.p99_ms, m99),
+            "measured_ok": float(m["success_rate"]), "predicted_ok": p.success_rate,
+        })
+    return rows
+
+
+def _err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas * 100 if meas and np.isfinite(meas) and np.isfinite(pred) else float("nan")
+
+
+def verdict(row: Mapping[str, Any]) -> str:
+    """``met`` / ``MISSED`` against the targets: p50 within 10 %, p99 within 20 % below saturation, throughput
+    within 10 % past it."""
+    if row["saturated"]:
+        return "met" if abs(row["qps_err_pct"]) <= 10 else "MISSED"
+    return "met" if abs(row["p50_err_pct"]) <= 10 and abs(row["p99_err_pct"]) <= 20 else "MISSED"
+
+
+def format_compare(rows: Sequence[Mapping[str, Any]]) -> str:
+    head = (f"{'variant':<7} {'QPS':>7} | {'p50 meas':>9} {'pred':>9} {'err':>7} | {'p99 meas':>9} {'pred':>9} "
+            f"{'err':>7} | {'req/s meas':>10} {'pred':>9} {'err':>7} | target")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['variant']:<7} {r['offered_qps']:>7g} | {r['measured_p50_ms']:>9.2f} {r['predicted_p50_ms']:>9.2f} "
+            f"{r['p50_err_pct']:>+6.1f}% | {r['measured_p99_ms']:>9.2f} {r['predicted_p99_ms']:>9.2f} "
+            f"{r['p99_err_pct']:>+6.1f}% | {r['measured_qps']:>10.2f} {r['predicted_qps']:>9.2f} "
+            f"{r['qps_err_pct']:>+6.1f}% | {verdict(r)}{' (saturated: throughput)' if r['saturated'] else ''}")
+    return "\n".join(lines)
+
+
+def format_predicted(pred: Sequence[Predicted]) -> str:
+    head = (f"{'variant':<7} {'arrival':<8} {'QPS':>8} {'achieved':>9} {'ok':>6} {'p50 ms':>9} {'p90 ms':>9} "
+            f"{'p99 ms':>9} {'requests':>8}")
+    lines = [head, "-" * len(head)]
+    for p in pred:
+        lines.append(f"{p.variant:<7} {p.arrival:<8} {p.offered_qps:>8g} {p.achieved_qps:>9.2f} {p.success_rate:>6.1%} "
+                     f"{p.p50_ms:>9.2f} {p.p90_ms:>9.2f} {p.p99_ms:>9.2f} {p.n_requests:>8}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The run folder's bench of ``plan_path`` (its record and measured levels), or None (none, of another plan,
+    or files that do not read as the bench writes them: said, and the config's levels simulated instead)."""
+    try:
+        rec = json.loads(paths.bench_record.read_text())
+        sha = hashlib.sha256(plan_path.read_bytes()).hexdigest()
+        with open(paths.bench_summary, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(rec, dict) or rec.get("plan_sha256") != sha or not rows:
+        return None
+    try:
+        for k in ("max_inflight", "min_requests", "seed"):
+            int(rec[k])
+        for k in ("max_wait_ms", "request_timeout_s", "duration_s"):
+            float(rec[k])
+        if rec["arrival"] not in ARRIVALS or not [float(q) for q in rec["qps"]]:
+            raise ValueError(f"arrival {rec['arrival']!r}")
+        for r in rows:
+            for k in ("offered_qps", "achieved_qps", "p50_ms", "p99_ms", "success_rate"):
+                float(r[k])
+            str(r["variant"])
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"{paths.bench_record} / {paths.bench_summary}: not as the bench writes them ({type(e).__name__}: {e}); "
+              "simulating the configured levels without a comparison", flush=True)
+        return None
+    return rec, rows
+
+
+def schedule_of(cfg: Mapping[str, Any], s: SimulateSettings, rec: Mapping[str, Any] | None) -> Schedule:
+    """The bench's recorded schedule and policy when there is one, else the config's."""
+    rt, b = stage_settings(cfg)
+    if rec is not None:
+        pol = ServePolicy(int(rec["max_inflight"]), float(rec["max_wait_ms"]), float(rec["request_timeout_s"]))
+        return Schedule(s.qps or tuple(float(q) for q in rec["qps"]), float(rec["duration_s"]),
+                        int(rec["min_requests"]), str(rec["arrival"]), int(rec["seed"]), pol, "bench")
+    pol = ServePolicy(rt.max_inflight, rt.max_wait_ms, b.request_timeout_s or rt.request_timeout_s)
+    return Schedule(s.qps or b.qps, b.duration_s, b.min_requests, b.arrival, b.seed, pol, "config")
+
+
+def systems_for(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, cal: Calibration,
+                policy: ServePolicy, variants: Sequence[str], cores: float, sha: str | None,
+                scale: Mapping[str, float] | None = None) -> dict[str, SimSystem]:
+    return {v: build_system(plan, profiles, graph, cal, policy, variant=v, cores_per_node=cores,
+                            switchboard_sha256=sha, scale=scale) for v in variants}
+
+
+def floor_scale(paths: RunPaths) -> dict[str, float] | None:
+    """Per component: the batch-1 time the bench re-measured just before its split levels over the profile's
+    (``[Note: floor re-measured]``): how much faster or slower the machine was during the bench."""
+    try:
+        r = json.loads(paths.rank_result("hpcsplit.runtime.stage:mpi_main").read_text())
+        now, prof = r["critical_path_now_components_ms"], r["critical_path_components_ms"]
+        return {c: float(now[c]) / float(prof[c]) for c in now if c in prof and float(prof[c]) > 0}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _profiles(paths: RunPaths) -> dict[str, ComponentProfile]:
+    out: dict[str, ComponentProfile] = {}
+    for p in paths.profiles:
+        out.update(read_profile(p).components)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the stage
+def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """``stage=simulate``: write the predictions (and the comparison with a bench of the plan); see the module."""
+    s = SimulateSettings.from_config(cfg)
+    paths = RunPaths.from_config(cfg, run_dir)
+    if not paths.plan.is_file():
+        raise ConfigError(f"stage=simulate needs a plan: {paths.plan} does not exist; run stage=allocate or pass plan=PATH")
+    plan = Plan.load(paths.plan)
+    layout, sha = load_layout(paths.switchboard)
+    cal = calibration_for(paths.calibration, paths.calibration_given)
+    cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
+    bench = bench_record(paths, paths.plan)
+    sched = schedule_of(cfg, s, bench[0] if bench else None)
+    print(cal.describe(), flush=True)
+    t0 = time.perf_counter()
+    systems = systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy, s.variants,
+                          float(cluster.cores_per_node), sha)
+    arrivals = tuple(dict.fromkeys((sched.arrival, *s.arrivals)))
+    pred = predict(systems, sched, arrivals, s.runs, s.seed)
+    out = paths.simulate_dir
+    out.mkdir(parents=True, exist_ok=True)
+    _write_csv(out / "predicted.csv", [asdict(p) for p in pred])
+    print(format_predicted(pred), flush=True)
+    result: dict[str, Any] = {"calibration": cal.describe(), "calibration_source": cal.source,
+                              "schedule": sched.source, "predicted": [asdict(p) for p in pred],
+                              "simulate_s": time.perf_counter() - t0, "dir": str(out)}
+    if bench is not None:
+        rows = compare_rows(pred, bench[1], sched.arrival)
+        scale = floor_scale(paths)
+        if scale:  # the same simulation with the profile moved to the machine's speed during the bench
+            now = predict(systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy,
+                                      s.variants, float(cluster.cores_per_node), sha, scale),
+                          sched, (sched.arrival,), s.runs, s.seed)
+            by = {(p.variant, p.offered_qps): p for p in now}
+            for r in rows:
+                p = by[(r["variant"], r["offered_qps"])]
+                r.update(predicted_now_p50_ms=p.p50_ms, predicted_now_p99_ms=p.p99_ms, predicted_now_qps=p.achieved_qps,
+                         now_p50_err_pct=_err(p.p50_ms, r["measured_p50_ms"]),
+                         now_p99_err_pct=_err(p.p99_ms, r["measured_p99_ms"]),
+                         now_qps_err_pct=_err(p.achieved_qps, r["measured_qps"]))
+            result["floor_scale"] = scale
+            print("the bench re-measured each component's batch of one just before its split levels: "
+                  + ", ".join(f"{c} {f:.2f}x the profile" for c, f in scale.items())
+                  + "; predictions with the profile moved to that speed are the predicted_now_* columns of compare.csv",
+                  flush=True)
+        _write_csv(out / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
+        table = format_compare(rows)
+        print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
+        result.update(compare=rows, compare_table=table)
+    try:
+        result["plots"] = _plot(out, pred, bench[1] if bench else [], sched.arrival)
+    except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the figures
+        print(f"could not plot: {e}", flush=True)
+    _refresh_summary(paths)
+    return result
+
+
+def _refresh_summary(paths: RunPaths) -> None:
+    """A pipeline's run folder (it has ``manifest.json``): write its ``summary.md`` again, with the simulation."""
+    if not paths.manifest.is_file():
+        return
+    m = load_manifest(paths.manifest)
+    bench = (m.get("stages") or {}).get("bench") or {}
+    write_summary(paths, m, switchboard=paths.switchboard if paths.switchboard.is_dir() else None,
+                  profile=paths.profile, plan=paths.plan, bench_result=bench.get("result"))
+
+
+def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    with open(path, "w", newline="") as fh:
+        if rows:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def _plot(out: Path, pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for name, ylabel, fields_ in (("latency_vs_qps.png", "latency (ms)", ("p50_ms", "p99_ms")),
+                                  ("throughput_vs_qps.png", "achieved throughput (requests/s)", ("achieved_qps",))):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for variant in dict.fromkeys(p.variant for p in pred):
+            for kind in dict.fromkeys(p.arrival for p in pred):
+                pts = [p for p in pred if p.variant == variant and p.arrival == kind]
+                for f in fields_:
+                    ax.plot([p.offered_qps for p in pts], [getattr(p, f) for p in pts],
+                            "--" if kind == arrival else ":", marker="x",
+                            label=f"{variant} {f.removesuffix('_ms')} predicted ({kind})")
+            mrows = [m for m in measured if m["variant"] == variant]
+            for f in fields_:
+                if mrows:
+                    ax.plot([float(m["offered_qps"]) for m in mrows], [float(m[f]) for m in mrows], "-o",
+                            label=f"{variant} {f.removesuffix('_ms')} measured")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        files.append(str(out / name))
+    return files

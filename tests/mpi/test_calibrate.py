@@ -1,0 +1,46 @@
+"""``stage=calibrate`` under real ``mpiexec``: the runtime's own loops measured, a valid ``calibration.json``
+written, and the simulator reproducing the calibration's own chains through the runtime's frontend."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec") or (shutil.which("mpiexec", path=str(Path(sys.executable).parent)))
+if MPIEXEC is None:  # pragma: no cover
+    pytest.skip("no mpiexec on PATH", allow_module_level=True)
+
+QUICK = {"gaps_ms": [0.2, 2, 20], "chain_gaps_ms": [2, 20], "samples": 5, "max_gap_time_s": 1.0,
+         "sizes_bytes": [64, 262144], "saturation_requests": 300, "threads": [1], "programs": False}
+
+
+def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) -> None:
+    from hpcsplit.core.calibration import load_calibration
+    from hpcsplit.core.settings import group_defaults
+
+    cfg = {"stage": "calibrate", "calibrate": QUICK, "cluster": group_defaults("cluster", "local"), "runtime": {}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "hpcsplit.launch.rank",
+           "hpcsplit.launch.calibrate:mpi_main", str(tmp_path / "cfg.json"), str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    cal = load_calibration(tmp_path / "run" / "calibration.json")
+    assert cal.measured and cal.hosts and cal.cross_node is None  # one node
+    assert cal.hop.gaps_ms[0] == 0.0 and len(cal.hop.gaps_ms) >= 3 and all(v > 0 for v in cal.hop.values_ms)
+    assert 0 < cal.same_node.gb_s < 1e4 and cal.component_us_per_message > 0 and cal.frontend_us_per_request >= 0
+    assert cal.compute_gflops[1] > 0 and cal.corun_slowdown[0] == 1.0
+    raw = json.loads((tmp_path / "run" / "calibration.raw.json").read_text())
+    assert {"pingpong", "one", "two", "saturation b1", "saturation b32"} <= set(raw["chains"])
+    one_way = raw["chains"]["pingpong"]["gap 20"]["one_way_ms"]
+    assert len(one_way) >= 3 and np.isfinite(one_way).all()  # the replica's stamp: one clock on one node
+    assert "calibration written to" in p.stderr

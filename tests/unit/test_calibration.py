@@ -1,0 +1,153 @@
+"""The calibration file: round trip, the documented defaults, and every way a file is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcsplit.core.calibration import (
+    CALIBRATION_FORMAT,
+    Calibration,
+    Curve,
+    Link,
+    ProgramCal,
+    calibration_for,
+    load_calibration,
+)
+from hpcsplit.core.plan import Plan, RankEntry
+from hpcsplit.errors import CalibrationError, HpcsplitError
+from hpcsplit.launch.calibrate_fit import fit
+
+
+def measured() -> Calibration:
+    hop = Curve((0.0, 1.0, 10.0, 100.0), (0.02, 0.15, 0.45, 0.9))
+    return Calibration(
+        source="measured", created_utc="2026-01-01T00:00:00Z", hpcsplit_version="0", cluster="local",
+        hosts=("vm",), nodes=1, cores_per_node=2, device_kind="cpu", hop=hop,
+        hop_p90=Curve(hop.gaps_ms, tuple(v * 2 for v in hop.values_ms)),
+        frontend_timer=Curve((0.0, 100.0), (0.0, 0.15)), compute_cold=Curve((0.0, 100.0), (0.0, 0.2)),
+        same_node=Link(0.01, 3.0, (64, 1 << 20), (0.01, 0.4)), cross_node=None, cross_extra=Curve.constant(0.0),
+        frontend_us_per_request=3.0, frontend_us_per_message=17.0, component_us_per_message=15.0,
+        component_us_per_request=2.5, compute_gflops={1: 38.0, 2: 60.0}, corun_slowdown=(1.0, 1.07),
+        switchboard_sha256="ab" * 32, programs={"whole": ProgramCal(1.5, Curve((0.0, 100.0), (0.0, 0.4)))},
+    )
+
+
+def test_round_trip_keeps_every_figure(tmp_path: Path) -> None:
+    cal = measured()
+    back = load_calibration(cal.save(tmp_path / "calibration.json"))
+    assert back.to_json() == cal.to_json()
+    assert back.hop.at(10.0) == pytest.approx(0.45) and back.program("whole", "ab" * 32).batch1_ms == 1.5
+    assert back.program("whole", "cd" * 32) is None  # another switchboard's programs are not used
+
+
+def test_split_rule_takes_the_calibrated_figures_and_defaults_say_so() -> None:
+    rule = measured().split_rule()
+    assert rule == {"compute_gflops": 38.0, "transport_gb_s": 3.0, "hop_ms": pytest.approx(0.45)}
+    d = Calibration.defaults()
+    assert d.split_rule() == {"compute_gflops": 30.0, "transport_gb_s": 0.5, "hop_ms": 0.3}
+    assert "documented defaults" in d.describe() and "stage=calibrate" in d.describe()
+    assert "calibration of local" in measured().describe()
+
+
+def test_calibration_for_uses_the_given_file_the_run_folders_or_the_defaults(tmp_path: Path) -> None:
+    assert calibration_for(tmp_path / "calibration.json", given=False).source == "defaults"
+    with pytest.raises(CalibrationError, match="cannot read calibration file"):
+        calibration_for(tmp_path / "missing.json", given=True)
+    measured().save(tmp_path / "calibration.json")
+    assert calibration_for(tmp_path / "calibration.json", given=False).source == "measured"
+
+
+def _write(tmp_path: Path, data: object) -> Path:
+    p = tmp_path / "calibration.json"
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d.update(schema_version=2), "found schema_version=2; this hpcsplit reads version 1"),
+    (lambda d: d.pop("hop"), r"missing keys \['hop'\]"),
+    (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
+    (lambda d: d["hop"].update(gaps_ms=[0.0, 5.0, 1.0, 2.0]), "hop.gaps_ms = .*strictly increasing"),
+    (lambda d: d["hop"].update(values_ms=[0.1, -1.0, 0.2, 0.3]), r"hop.values_ms\[1\] = -1.0: needs a number"),
+    (lambda d: d["hop"].update(values_ms=[0.1, 0.2]), "lists of equal length"),
+    (lambda d: d["same_node"].update(gb_s=0), r"same_node.gb_s = 0: needs a number in \(0"),
+    (lambda d: d["cpu"].update(frontend_us_per_request="fast"), "cpu.frontend_us_per_request = 'fast'"),
+    (lambda d: d["compute"].update(gflops={"one": 3}), "compute.gflops key = 'one'"),
+    (lambda d: d["compute"].update(corun_slowdown=[0.5]), r"corun_slowdown\[0\] = 0.5"),
+    (lambda d: d.update(nodes=True), "nodes = True: needs an integer"),
+    (lambda d: d.update(source="guessed"), "source = 'guessed'"),
+    (lambda d: d["hop"].update(values_ms=[float("nan")] * 4), "hop.values_ms"),
+])
+def test_a_malformed_file_is_refused_naming_the_problem(tmp_path: Path, mutate, message: str) -> None:
+    d = measured().to_json()
+    mutate(d)
+    with pytest.raises(CalibrationError, match=message) as e:
+        load_calibration(_write(tmp_path, json.dumps(d, allow_nan=True)))
+    assert "stage=calibrate" in str(e.value) and "calibration.json" in str(e.value)
+
+
+def test_a_foreign_file_is_refused_by_its_format(tmp_path: Path) -> None:
+    plan = Plan("m", None, "cpu", 1, (RankEntry(0, "frontend", 0, None, None, 1, None, 1, 0),
+                                      RankEntry(1, "component", 0, None, None, 1, "a", 1, 0)), {"a": 1.0}, {})
+    plan.save(tmp_path / "plan.json")
+    with pytest.raises(CalibrationError, match=f"format=None .a plan.; needed format='{CALIBRATION_FORMAT}'"):
+        load_calibration(tmp_path / "plan.json")
+    for text, msg in (("not json {", "not a JSON calibration file"), ("[1, 2]", "found a JSON list"),
+                      (json.dumps({"format": "hpcsplit-profile"}), "a profile"), ("\xff".encode("latin-1"), "not a JSON")):
+        p = tmp_path / "x.json"
+        p.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(CalibrationError, match=msg):
+            load_calibration(p)
+
+
+def test_a_huge_file_is_refused_before_parsing(tmp_path: Path) -> None:
+    p = tmp_path / "calibration.json"
+    p.write_text(" " * (2 << 20))
+    with pytest.raises(CalibrationError, match="larger than"):
+        load_calibration(p)
+
+
+def test_errors_are_hpcsplit_errors() -> None:
+    assert issubclass(CalibrationError, HpcsplitError)
+
+
+def test_curve_is_flat_outside_and_log_linear_inside() -> None:
+    c = Curve((0.0, 1.0, 100.0), (0.1, 0.2, 1.0))
+    assert c.at(-1) == 0.1 and c.at(0.5) > 0.1 and c.at(1e9) == 1.0
+    assert c.at(10.0) == pytest.approx(0.2 + 0.8 * (__import__("math").log1p(10) - __import__("math").log1p(1))
+                                       / (__import__("math").log1p(100) - __import__("math").log1p(1)))
+
+
+def _raw(hop_ms: float, turn_s: float = 30e-6) -> dict:
+    """Raw figures of a calibration job on a machine whose hop is ``hop_ms`` at every gap (ms)."""
+    m = 0.01
+    rtt0 = 2 * m + turn_s * 1e3
+    recv = (turn_s - 5e-6) / 2 * 1e3 + 5e-3  # a / 2 + b of the saturation runs below (a = 25 us + ..., b = 5 us)
+    pp = {f"stream {b}": {"bytes": b, "rtt_ms": [rtt0 + 2 * b / 2e6] * 5, "one_way_ms": [m + recv + b / 2e6] * 5}
+          for b in (64, 1 << 20)}
+    for g in (1.0, 10.0, 100.0):
+        pp[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [hop_ms + turn_s * 1e3 + m] * 9,
+                            "one_way_ms": [hop_ms + recv] * 9, "idle_ms": [g] * 9}
+    sat = {"saturation b1": {"component": {"batches": 1000, "requests": 1000, "cpu_s": 1000 * turn_s},
+                             "saturation": {"requests": 1000, "wall_s": 0.1, "frontend_cpu_s": 1000 * 40e-6}},
+           "saturation b32": {"component": {"batches": 40, "requests": 1000, "cpu_s": 40 * 25e-6 + 1000 * 5e-6},
+                              "saturation": {"requests": 1000, "wall_s": 0.05, "frontend_cpu_s": 1000 * 10e-6}}}
+    one = {f"gap {g:g}": {"gap_ms": g, "pipe_ms": [1.0] * 5, "lag_ms": [0.1] * 5} for g in (10.0, 100.0)}
+    return {"chains": {"pingpong": pp, "one": one, **sat}, "hosts": ["vm", "vm", "vm"], "cores_per_node": 2,
+            "cluster": "local", "gflops": {"1": 40.0}, "corun_gflops": {"1": [40.0], "2": [36.0, 38.0]},
+            "small": {"b2b_ms": [0.01] * 9, "after_ms": {"100": [0.21] * 5}}, "programs": None}
+
+
+def test_fit_recovers_the_figures_it_was_given(tmp_path: Path) -> None:
+    cal = fit(_raw(0.5))
+    assert cal.measured and cal.nodes == 1 and cal.cores_per_node == 2
+    assert cal.same_node.gb_s == pytest.approx(2.0, rel=1e-6)  # 2 bytes per ns round trip = 2 GB/s each way
+    assert cal.hop.at(10.0) == pytest.approx(0.5 - 0.01 + 0.01 - 0.0, abs=0.02)
+    assert cal.compute_cold.at(100.0) == pytest.approx(0.2)
+    assert cal.corun(2) == pytest.approx(40 / 37)
+    assert cal.frontend_timer.at(99.0) == pytest.approx(0.1)
+    load_calibration(cal.save(tmp_path / "c.json"))  # what it writes, every reader takes
+    assert fit(_raw(2.0)).hop.at(10.0) > fit(_raw(0.5)).hop.at(10.0) + 1.4

@@ -1,0 +1,155 @@
+"""Choosing the split by prediction (``allocate.rate_rps``): whole when the split does not pay, split when it
+does, and the choice flips when the calibration's hop cost is raised."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcsplit.allocation.choose import Candidate, candidates, choose, merged_profile
+from hpcsplit.allocation.settings import AllocateSettings
+from hpcsplit.allocation.synthetic import make_profile
+from hpcsplit.core.calibration import Calibration, Curve
+from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.sim_model import SimGraph
+from hpcsplit.core.simulator import ServePolicy
+from hpcsplit.errors import ConfigError
+
+CPU4 = ClusterSpec.from_config({"name": "t", "nodes": 1, "gpus_per_node": 0, "cores_per_node": 8,
+                                "mem_gb_per_node": 16, "cpu_threads": [1, 2]})
+
+
+def _cal(hop_ms: float) -> Calibration:
+    hop = Curve.constant(hop_ms)
+    return dataclasses.replace(Calibration.defaults(), source="measured", hop=hop, hop_p90=hop,
+                               frontend_us_per_request=5.0, frontend_us_per_message=10.0,
+                               component_us_per_message=10.0)
+
+
+def _profile(ms: dict[str, float]):
+    return make_profile({c: {"latency_ms": [[v, v * 0.6], [v * 1.8, v * 1.1]], "peak_mem_bytes": [[1e7] * 2] * 2,
+                             "utilization": [[0.25, 0.5]] * 2, "param_bytes": 1e6} for c, v in ms.items()},
+                        batch_sizes=(1, 2), slices=(1.0, 2.0), device_kind="cpu", cores_per_node=4)
+
+
+def _two_towers() -> SimGraph:
+    """CLIP's shape: two towers side by side, then a head."""
+    return SimGraph(("img", "txt"), (("vision", ("img",), ("v",)), ("text", ("txt",), ("t",)),
+                                     ("head", ("v", "t"), ("y",))),
+                    (("input", "img", "vision", "img"), ("input", "txt", "text", "txt"), ("vision", "v", "head", "v"),
+                     ("text", "t", "head", "t"), ("head", "y", "output", "y")),
+                    {"img": 60_000, "txt": 300, "v": 2048, "t": 2048, "y": 4})
+
+
+def _settings(rate: float, slo: float, **kw: object) -> AllocateSettings:
+    return AllocateSettings.defaults(rate_rps=rate, slo_ms=slo, time_limit_s=10, **kw)
+
+
+def test_candidates_are_whole_each_region_unsplit_stages_and_split() -> None:
+    names = [c.name for c in candidates(_two_towers())]
+    assert names == ["whole", "vision+text unsplit", "split"]
+    assert Candidate("whole", (("whole",),)).served(["vision", "text", "head"]) == {"whole": ("vision", "text", "head")}
+    chain = SimGraph(("x",), (("a", ("x",), ("p",)), ("b", ("p",), ("y",))),
+                     (("input", "x", "a", "x"), ("a", "p", "b", "p"), ("b", "y", "output", "y")), {})
+    assert [c.name for c in candidates(chain)] == ["whole", "split"]  # two stages: as one is the whole
+
+
+def test_a_group_is_profiled_as_its_members_back_to_back() -> None:
+    p = _profile({"vision": 120.0, "text": 40.0})
+    g = merged_profile([p.components["vision"], p.components["text"]], "vision+text")
+    assert g.latency_p50_ms(0, 0) == pytest.approx(160.0) and g.param_bytes == 2_000_000
+    assert g.utilization[0, 0] == pytest.approx(0.25)
+
+
+def test_the_whole_model_when_the_split_does_not_pay() -> None:
+    """A toy: components of a few microseconds; every hop the split adds costs more than it saves."""
+    prof = _profile({"vision": 0.02, "text": 0.02, "head": 0.01})
+    c = choose(prof, CPU4, _settings(4, 2.0), _two_towers(), _cal(0.3), ServePolicy())
+    assert c.chosen == "whole", c.table()
+    assert c.plan.meta["choice"]["chosen"] == "whole" and {r.component for r in c.plan.ranks} == {None, "whole"}
+    assert "highest simulated goodput" in c.why
+
+
+def test_the_split_when_it_pays_and_the_whole_when_hops_get_dear() -> None:
+    """CLIP's shape: the towers side by side save the text tower's 40 ms; a hop of 60 ms eats that and more."""
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    cheap = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
+    assert cheap.chosen == "split", cheap.table()
+    dear = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3).with_hop_scaled(200.0), ServePolicy())
+    assert dear.chosen == "whole", dear.table()
+    rows = {r["candidate"]: r for r in dear.rows}
+    assert rows["split"]["p50_ms"] > rows["whole"]["p50_ms"] > 120
+
+
+def test_fewest_devices_that_meet_the_slo() -> None:
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    two = dataclasses.replace(CPU4, nodes=2)
+    c = choose(prof, two, _settings(6, 400.0, objective="devices"), _two_towers(), _cal(0.3), ServePolicy())
+    best = next(r for r in c.rows if r.get("chosen"))
+    assert best["meets"] and best["devices"] == min(r["devices"] for r in c.rows if r.get("meets"))
+    assert "fewest devices" in c.why
+
+
+def test_rate_needs_one_end_to_end_slo() -> None:
+    with pytest.raises(ConfigError, match="needs one end-to-end SLO"):
+        AllocateSettings.defaults(rate_rps=3, slo_ms={"vision": 10})
+
+
+def test_the_plan_records_why(tmp_path: Path) -> None:
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
+    saved = json.loads(Path(c.plan.save(tmp_path / "plan.json")).read_text())
+    assert saved["meta"]["choice"]["why"] == c.why and len(saved["meta"]["choice"]["candidates"]) == 3
+
+
+def test_summary_shows_the_choice_and_the_simulation_beside_the_bench(tmp_path: Path) -> None:
+    from hpcsplit.core.paths import RunPaths
+    from hpcsplit.launch.simulate import Predicted, _write_csv, compare_rows, verdict
+    from hpcsplit.launch.summary import write_summary
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
+    paths = RunPaths.from_config({}, tmp_path)
+    c.plan.save(paths.own_plan)
+    pred = [Predicted("split", "poisson", 2.0, 30, 2.1, 1.0, 2.0, 75.0, 80.0, 90.0, 0.1),
+            Predicted("split", "poisson", 16.0, 160, 16.3, 1.0, 7.0, 900.0, 1200.0, 1500.0, 0.1)]
+    measured = [{"variant": "split", "offered_qps": 2.0, "achieved_qps": 1.9, "p50_ms": 80.0, "p99_ms": 100.0,
+                 "success_rate": 1.0},
+                {"variant": "split", "offered_qps": 16.0, "achieved_qps": 9.5, "p50_ms": 1000.0, "p99_ms": 2000.0,
+                 "success_rate": 1.0}]
+    rows = compare_rows(pred, measured, "poisson")
+    assert [r["saturated"] for r in rows] == [False, True]  # 9.5 of the 16.3 the schedule offered
+    assert verdict(rows[0]) == "met" and verdict(rows[1]) == "MISSED"  # p50 -6 %, p99 -10 %; 7 vs 9.5 req/s -26 %
+    paths.simulate_dir.mkdir()
+    _write_csv(paths.simulate_dir / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
+    text = write_summary(paths, {"stages": {}}, switchboard=None, profile=None, plan=paths.own_plan,
+                         bench_result=None).read_text()
+    assert "## Simulated vs measured" in text and "| split | 2 | 80.00 | 75.00 | -6.2% |" in text
+    assert "Chosen by prediction at 2.0 req/s within 150.0 ms" in text and "| split (chosen) |" in text
+
+
+def test_a_bench_of_another_plan_or_a_damaged_one_is_not_compared(tmp_path: Path) -> None:
+    import hashlib
+
+    from hpcsplit.core.paths import RunPaths
+    from hpcsplit.launch.simulate import bench_record
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    paths = RunPaths.from_config({}, tmp_path)
+    choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy()).plan.save(paths.own_plan)
+    paths.bench_dir.mkdir()
+    rec = {"plan_sha256": hashlib.sha256(paths.own_plan.read_bytes()).hexdigest(), "qps": [2], "duration_s": 10.0,
+           "min_requests": 30, "arrival": "poisson", "seed": 0, "request_timeout_s": 10.0, "max_inflight": 64,
+           "max_wait_ms": 0.0}
+    row = "variant,offered_qps,achieved_qps,p50_ms,p99_ms,success_rate\nsplit,2,1.9,80,100,1\n"
+    paths.bench_summary.write_text(row)
+    for good, r in ((True, rec), (False, {**rec, "plan_sha256": "0" * 64}), (False, {**rec, "max_inflight": "x"}),
+                    (False, {**rec, "arrival": "zipf"})):
+        paths.bench_record.write_text(json.dumps(r))
+        assert (bench_record(paths, paths.own_plan) is not None) == good, r
+    paths.bench_record.write_text(json.dumps(rec))
+    paths.bench_summary.write_text(row.replace("80", "fast"))
+    assert bench_record(paths, paths.own_plan) is None

@@ -1,0 +1,206 @@
+"""The simulator: the runtime's own routing and batching decisions, queueing theory, processor sharing,
+the window and timeouts, grouping, and the systems built from a plan and a profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+
+from hpcsplit.allocation.synthetic import make_profile
+from hpcsplit.core.calibration import Calibration, Curve, Link
+from hpcsplit.core.load import arrival_times, summarize
+from hpcsplit.core.policy import ReplicaRouter
+from hpcsplit.core.sim_model import SimGraph, build_system, grouped, latency_table
+from hpcsplit.core.simulator import (
+    STATUS_OK,
+    STATUS_TIMEOUT,
+    ServePolicy,
+    SimComponent,
+    SimRank,
+    SimSystem,
+    simulate,
+)
+from hpcsplit.errors import PlanError
+from hpcsplit.runtime.batching import Batcher
+from hpcsplit.runtime.routing import GraphSpec, Router, _toy_plan, build_dataflow
+
+
+def free(**over: object) -> Calibration:
+    """A calibration in which nothing but compute costs time (figures of a test set per case)."""
+    zero = Curve.constant(0.0)
+    base = dataclasses.replace(Calibration.defaults(), hop=zero, hop_p90=zero, frontend_timer=zero,
+                               compute_cold=zero, same_node=Link(0.0, 1e4), frontend_us_per_request=0.0,
+                               frontend_us_per_message=0.0, component_us_per_message=0.0,
+                               component_us_per_request=0.0, corun_slowdown=(1.0,))
+    return dataclasses.replace(base, **over)
+
+
+def chain(lat_ms: list[float], cal: Calibration, batch: int = 1, replicas: int = 1, cores: tuple[float, ...] = (),
+          policy: ServePolicy | None = None) -> SimSystem:
+    """frontend -> c0 -> c1 -> ... -> frontend, each component ``replicas`` ranks of fixed latency per batch."""
+    comps, ranks = [], [SimRank(0, 0, -1)]
+    for i, lat in enumerate(lat_ms):
+        reps = tuple(range(len(ranks), len(ranks) + replicas))
+        for _ in reps:
+            ranks.append(SimRank(len(ranks), 0, i, batch, 1, 1.0, tuple(lat for _ in range(batch))))
+        comps.append(SimComponent(f"c{i}", 1, ((i + 1 if i + 1 < len(lat_ms) else -1, 64.0),), reps))
+    return SimSystem("chain", tuple(comps), ((0, 64.0),), 1, tuple(ranks), cores, cal, policy or ServePolicy())
+
+
+def test_the_simulator_routes_with_the_runtimes_own_router() -> None:
+    assert issubclass(Router, ReplicaRouter)  # one code: runtime.routing.Router adapts the core policy
+    plan = _toy_plan(["a", "b"], replicas=3)
+    g = GraphSpec(("x",), ("y",), (("a", ("x",), ("h",)), ("b", ("h",), ("y",))),
+                  (("input", "x", "a", "x"), ("a", "h", "b", "h"), ("b", "y", "output", "y")))
+    df = build_dataflow(plan, g)
+    sim = SimGraph(("x",), g.components, g.edges, {"x": 4, "h": 4, "y": 4})
+    prof = make_profile({c: {"latency_ms": [[1.0]], "peak_mem_bytes": [[1.0]], "utilization": [[0.5]]}
+                         for c in ("a", "b")}, batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
+    system = build_system(plan, prof.components, sim, free(), ServePolicy(), cores_per_node=8)
+    assert [c.replicas for c in system.components] == [c.replicas for c in df.components]
+    _same_choices(Router(df), ReplicaRouter([c.replicas for c in system.components],
+                                            {r.rank: r.size for r in system.ranks}), 500, 0.45, 0.1, seed=4)
+
+
+def _same_choices(a: ReplicaRouter, b: ReplicaRouter, steps: int, p_release: float, p_fail: float, seed: int) -> None:
+    """Random assigns and releases (some failed) given to both routers: every route must be the same."""
+    rnd = random.Random(seed)
+    live: list[tuple[int, ...]] = []
+    for _ in range(steps):
+        if live and rnd.random() < p_release:
+            route = live.pop(rnd.randrange(len(live)))
+            failed = rnd.random() < p_fail
+            a.release(route, failed)
+            b.release(route, failed)
+        else:
+            got = a.assign()
+            assert b.assign() == got
+            live.append(got)
+
+
+@pytest.mark.parametrize("n", [9, 40])
+def test_many_replicas_kept_in_order_pick_what_a_scan_picks(n: int) -> None:
+    reps = [tuple(range(1, n + 1)), (n + 1, n + 2)]
+    sizes = {r: float(r % 3) for r in range(1, n + 3)}
+    _same_choices(ReplicaRouter(reps, sizes, bucket_min=10**9), ReplicaRouter(reps, sizes, bucket_min=3), 5000,
+                  0.48, 0.05, seed=n)
+
+
+def test_batches_are_the_runtimes_batcher_on_the_same_trace() -> None:
+    policy = ServePolicy(max_inflight=64, max_wait_ms=3.0)
+    system = chain([4.0, 1.0], free(), batch=4, policy=policy)
+    trace: list = []
+    simulate(system, arrival_times(400, 2.0, "poisson", 3), trace=trace)
+    assert len(trace) > 200 and any(len(t[3]) == 4 for t in trace) and any(0 < len(t[3]) < 4 for t in trace)
+    batchers = {r: Batcher(4, 3e-3) for r in {t[0] for t in trace}}
+    for r, t, ready, taken in trace:
+        b = batchers[r]
+        for i in ready:
+            b.push(i, t)
+        assert b.due(t) == bool(taken)
+        if taken:
+            assert b.take() == taken
+
+
+def test_md1_queue_waits_as_pollaczek_khinchine_says() -> None:
+    s_ms, rho = 10.0, 0.6
+    system = chain([s_ms], free())
+    r = simulate(system, arrival_times(rho / (s_ms / 1e3), 400.0, "poisson", 1))
+    lat = (r.done_s - r.arrival_s)[r.ok] * 1e3
+    expected = s_ms + rho * s_ms / (2 * (1 - rho))  # service + M/D/1 mean wait
+    assert lat.mean() == pytest.approx(expected, rel=0.05)
+
+
+def test_hops_and_the_frontend_timer_add_up_on_an_idle_chain() -> None:
+    cal = free(hop=Curve.constant(0.5), hop_p90=Curve.constant(0.5), frontend_timer=Curve.constant(0.2))
+    r = simulate(chain([0.0, 0.0], cal), np.arange(5) * 1.0)
+    lat = (r.done_s - r.arrival_s) * 1e3
+    assert lat == pytest.approx([0.2 + 3 * 0.5] * 5)  # timer, then frontend -> c0 -> c1 -> frontend
+
+
+def test_ranks_sharing_one_core_take_turns() -> None:
+    g = SimGraph(("x",), (("a", ("x",), ("p",)), ("b", ("x",), ("q",)), ("h", ("p", "q"), ("y",))),
+                 (("input", "x", "a", "x"), ("input", "x", "b", "x"), ("a", "p", "h", "p"), ("b", "q", "h", "q"),
+                  ("h", "y", "output", "y")), {"x": 4, "p": 4, "q": 4, "y": 4})
+    prof = make_profile({c: {"latency_ms": [[ms]], "peak_mem_bytes": [[1.0]], "utilization": [[0.5]]}
+                         for c, ms in (("a", 10.0), ("b", 10.0), ("h", 0.0))},
+                        batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
+    plan = _toy_plan(["a", "b", "h"])
+    lat = {}
+    quiet = ServePolicy(spin_us=0.0)  # no polling after work: only the two branches want the core
+    for cores in (1, 2):
+        s = build_system(plan, prof.components, g, free(), quiet, cores_per_node=cores)
+        r = simulate(s, np.array([0.0]))
+        lat[cores] = float((r.done_s - r.arrival_s)[0] * 1e3)
+    assert lat[2] == pytest.approx(10.0) and lat[1] == pytest.approx(20.0)
+    s = build_system(plan, prof.components, g, free(corun_slowdown=(1.0, 1.2)), quiet, cores_per_node=2)
+    r = simulate(s, np.array([0.0]))
+    assert float((r.done_s - r.arrival_s)[0] * 1e3) == pytest.approx(12.0)  # side by side, 20 % slower each
+
+
+def test_a_rank_polling_after_work_takes_the_next_message_without_a_wake_up() -> None:
+    cal = free(hop=Curve.constant(0.5), hop_p90=Curve.constant(0.5))
+    arr = np.array([0.0, 0.0005])  # the second arrives while the frontend still polls after the first
+    fast = simulate(chain([0.0], cal, policy=ServePolicy(spin_us=2000.0)), arr)
+    slow = simulate(chain([0.0], cal, policy=ServePolicy(spin_us=0.0)), arr)
+    assert ((fast.done_s - fast.arrival_s) * 1e3)[1] < ((slow.done_s - slow.arrival_s) * 1e3)[1] - 0.4
+
+
+def test_window_and_timeouts() -> None:
+    r = simulate(chain([5.0], free(), policy=ServePolicy(max_inflight=1)), np.zeros(4))
+    assert ((r.done_s - r.arrival_s) * 1e3) == pytest.approx([5.0, 10.0, 15.0, 20.0])
+    over = simulate(chain([10.0], free(), policy=ServePolicy(request_timeout_s=0.2)), arrival_times(200, 2.0))
+    s = summarize("x", 200, over.arrival_s, over.done_s, over.ok)
+    assert (over.status == STATUS_TIMEOUT).sum() > 0 and (over.status == STATUS_OK).sum() > 0
+    assert s.achieved_qps == pytest.approx(100.0, rel=0.1)  # saturated at one request per 10 ms
+
+
+def test_jitter_is_seeded() -> None:
+    cal = free(hop=Curve.constant(0.3), hop_p90=Curve.constant(0.6))
+    a = simulate(chain([1.0, 1.0], cal), arrival_times(50, 2.0, "poisson", 0), seed=1)
+    b = simulate(chain([1.0, 1.0], cal), arrival_times(50, 2.0, "poisson", 0), seed=1)
+    c = simulate(chain([1.0, 1.0], cal), arrival_times(50, 2.0, "poisson", 0), seed=2)
+    assert np.array_equal(a.done_s, b.done_s) and not np.array_equal(a.done_s, c.done_s)
+
+
+def _clip_like() -> tuple[SimGraph, object]:
+    g = SimGraph(("img", "txt"), (("vision", ("img",), ("v",)), ("text", ("txt",), ("t",)),
+                                  ("head", ("v", "t"), ("y",))),
+                 (("input", "img", "vision", "img"), ("input", "txt", "text", "txt"), ("vision", "v", "head", "v"),
+                  ("text", "t", "head", "t"), ("head", "y", "output", "y")),
+                 {"img": 600_000, "txt": 600, "v": 2048, "t": 2048, "y": 4})
+    prof = make_profile({c: {"latency_ms": [[ms, ms * 0.6], [ms * 1.8, ms * 1.1]], "peak_mem_bytes": [[1e8] * 2] * 2,
+                             "utilization": [[0.5, 1.0]] * 2, "param_bytes": 5e7}
+                         for c, ms in (("vision", 120.0), ("text", 40.0), ("head", 0.2))},
+                        batch_sizes=(1, 2), slices=(1.0, 2.0), device_kind="cpu", cores_per_node=2)
+    return g, prof
+
+
+def test_whole_and_groups_run_their_members_back_to_back() -> None:
+    g, prof = _clip_like()
+    plan = _toy_plan(["vision", "text", "head"], batch_size=2)
+    split = build_system(plan, prof.components, g, free(), ServePolicy(), cores_per_node=4)
+    whole = build_system(plan, prof.components, g, free(), ServePolicy(), variant="whole", cores_per_node=4)
+    assert [c.name for c in whole.components] == ["whole"] and len(whole.components[0].replicas) == 3
+    assert whole.ranks[1].latency_ms == pytest.approx((160.2, 160.2 * 1.8))
+    one = np.array([0.0])
+    lat = {n: float(simulate(s, one).done_s[0] * 1e3) for n, s in (("split", split), ("whole", whole))}
+    assert lat["split"] == pytest.approx(120.2) and lat["whole"] == pytest.approx(160.2)
+    gg, members = grouped(g, [["text", "vision"]])
+    assert gg.names == ("vision+text", "head") and members["vision+text"] == ("vision", "text")
+    with pytest.raises(PlanError, match="cycle"):
+        grouped(SimGraph(("x",), (("a", ("x",), ("p",)), ("b", ("p",), ("q",)), ("c", ("q",), ("y",))),
+                         (("input", "x", "a", "x"), ("a", "p", "b", "p"), ("b", "q", "c", "q"),
+                          ("c", "y", "output", "y")), {}), [["a", "c"]])
+
+
+def test_latency_table_interpolates_between_profiled_batches() -> None:
+    _, prof = _clip_like()
+    table, sigma = latency_table(prof.components["vision"], 2.0, 4)
+    assert table[0] == pytest.approx(72.0) and table[1] == pytest.approx(132.0)
+    assert table[3] == pytest.approx(264.0) and sigma == 0.0  # beyond the largest: its throughput held
+    assert math.isfinite(latency_table(prof.components["vision"], 3.0, 1)[0][0])  # the closest column below

@@ -238,8 +238,16 @@ class Inbox:
         return done
 
     def forget(self, ranks: set[int]) -> None:
-        """Drop the half-received messages from ``ranks`` (lost: their payloads never come)."""
+        """Drop the half-received messages from ``ranks`` (lost: their payloads never come).
+
+        Their posted receives are cancelled first: a payload that came after all must not land in a
+        buffer the pool has handed out again.
+        """
+        for h in self.pending:
+            if h.source in ranks:
+                h.cancel()
         self.pending = [h for h in self.pending if h.source not in ranks]
+        self._first -= ranks
 
 
 class Outbox:

@@ -214,6 +214,9 @@ if rank == 0:
     os.kill(os.getpid(), signal.SIGSTOP)
     comm.Recv([np.empty(1, np.uint8), MPI.BYTE], 1, 9)
     comm.Send([payload.numpy(), MPI.BYTE], 1, tp.TAG_PAYLOAD)
+    header_only(79)  # and once more, for a receiver that gives up on this rank (Inbox.forget)
+    comm.Recv([np.empty(1, np.uint8), MPI.BYTE], 1, 9)
+    comm.Send([payload.numpy(), MPI.BYTE], 1, tp.TAG_PAYLOAD)
 elif rank == 2:
     comm.Barrier()
     comm.Barrier()
@@ -247,6 +250,23 @@ else:
     while not late and time.monotonic() < deadline:
         late = [m for m, _ in inbox.poll()]
     out["late"] = [late[0].header.request_ids[0], same(late[0].tensors[0], payload)] if late else None
+    # rank 0 declared lost while its message 79 is half-received: forget cancels the payload's receive, so
+    # the payload that comes after all is left unmatched in MPI's queue (not written into a freed buffer)
+    deadline = time.monotonic() + 30
+    while not inbox.pending and time.monotonic() < deadline:
+        inbox.poll()
+    out["held_79"] = [h.header.request_ids[0] for h in inbox.pending]
+    inbox.forget({0})
+    out["forgot"] = len(inbox.pending)
+    comm.Send([np.zeros(1, np.uint8), MPI.BYTE], 0, 9)
+    st = MPI.Status()
+    deadline = time.monotonic() + 10
+    found = False
+    while not found and time.monotonic() < deadline:
+        found = comm.Iprobe(0, tp.TAG_PAYLOAD, st) or time.sleep(1e-3)
+    out["unmatched"] = st.Get_count(MPI.BYTE) if found else None
+    if found:
+        comm.Recv([np.empty(1 << 20, np.uint8), MPI.BYTE], 0, tp.TAG_PAYLOAD)
 ''' + TAIL
 
 
@@ -258,3 +278,4 @@ def test_a_sender_stopped_mid_message_is_named_and_blocks_no_other(tmp_path: Pat
     assert 1.5 <= r1["after_s"] < 10, r1  # at the deadline, not at once and not never
     assert r1["others"] == [200, 201, 202, 203, 204] and r1["pending"] == [0]
     assert r1["late"] == [78, True]  # once the sender goes on, its message completes, intact
+    assert r1["held_79"] == [79] and r1["forgot"] == 0 and r1["unmatched"] == 1 << 20

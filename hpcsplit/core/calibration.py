@@ -324,8 +324,10 @@ def parse_calibration(data: bytes, path: Path) -> Calibration:
                                f"KiB of JSON. Needed: a calibration.json; {redo}")
     try:
         d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError) as e:  # (ValueError: also an integer of more than 4300 digits)
         raise CalibrationError(f"{path}: not a JSON calibration file ({e}); {redo}") from e
+    except RecursionError:
+        raise CalibrationError(f"{path}: nests JSON too deeply to be a calibration file; {redo}") from None
     if not isinstance(d, dict):
         raise CalibrationError(f"{path}: found a JSON {type(d).__name__}; needed an object with "
                                f"format={CALIBRATION_FORMAT!r}; {redo}")
@@ -339,7 +341,7 @@ def parse_calibration(data: bytes, path: Path) -> Calibration:
     if ver != CALIBRATION_SCHEMA_VERSION:
         raise CalibrationError(f"{path}: found schema_version={ver!r}; this hpcsplit reads version "
                                f"{CALIBRATION_SCHEMA_VERSION}; {redo} with this hpcsplit")
-    r = _Reader(path)
+    r = _Reader(path, absent=[k for k in _Reader.KEYS if k not in d])
     cal = r.calibration(d)
     r.done(redo)
     assert cal is not None
@@ -353,9 +355,10 @@ class _Reader:
             "cores_per_node", "device_kind", "hop", "hop_p90", "frontend_timer", "compute_cold", "same_node",
             "cross_node", "cross_extra", "cpu", "compute", "programs", "notes")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, absent: Sequence[str] = ()) -> None:
         self.path = path
         self.problems: list[str] = []
+        self.absent = set(absent)  # top-level keys the file lacks: reported once, as missing
 
     def done(self, redo: str) -> None:
         if self.problems:
@@ -368,7 +371,7 @@ class _Reader:
 
     def keys(self, d: Any, what: str, keys: Sequence[str]) -> Mapping[str, Any]:
         if not isinstance(d, Mapping):
-            if d is not None or "." in what or "[" in what:  # a missing top-level key is reported once, above
+            if what not in self.absent:  # a missing top-level key is reported once, above (null is wrong here)
                 self.bad(what, d, "an object")
             return {}
         missing = [k for k in keys if k not in d]
@@ -380,7 +383,8 @@ class _Reader:
         return d
 
     def num(self, v: Any, what: str, lo: float = 0.0, hi: float = MAX_MS, lo_open: bool = False) -> float:
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        # (an integer beyond a float's range is refused as out of range, not converted: math.isfinite would raise)
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
         if not ok or not (lo < v if lo_open else lo <= v) or v > hi:
             self.bad(what, v, f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
             return max(lo, 1e-9) if lo_open else lo
@@ -447,7 +451,7 @@ class _Reader:
             self.bad("compute.gflops", gfl, f"an object thread count -> GFLOP/s (1..{MAX_POINTS} entries)")
         else:
             for k, v in gfl.items():
-                if not (isinstance(k, str) and k.isdigit() and 1 <= int(k) <= 1024):
+                if not (isinstance(k, str) and k.isascii() and k.isdigit() and 1 <= int(k) <= 1024):
                     self.bad("compute.gflops key", k, "a thread count '1'..'1024'")
                     continue
                 gflops[int(k)] = self.num(v, f"compute.gflops[{k}]", 0.0, 1e9, lo_open=True)

@@ -80,6 +80,10 @@ def _write(tmp_path: Path, data: object) -> Path:
     (lambda d: d.update(nodes=True), "nodes = True: needs an integer"),
     (lambda d: d.update(source="guessed"), "source = 'guessed'"),
     (lambda d: d["hop"].update(values_ms=[float("nan")] * 4), "hop.values_ms"),
+    (lambda d: d["cpu"].update(frontend_us_per_request=10**400), r"cpu.frontend_us_per_request = 1000.*needs a number"),
+    (lambda d: d["compute"].update(gflops={"\u00b2": 3.0}), "compute.gflops key = '\u00b2'"),  # a digit to isdigit()
+    (lambda d: d.update(hop=None), "hop = None: needs an object"),  # null is not the curve, nor a default
+    (lambda d: d.update(same_node=None), "same_node = None: needs an object"),
 ])
 def test_a_malformed_file_is_refused_naming_the_problem(tmp_path: Path, mutate, message: str) -> None:
     d = measured().to_json()
@@ -108,6 +112,15 @@ def test_a_huge_file_is_refused_before_parsing(tmp_path: Path) -> None:
     p.write_text(" " * (2 << 20))
     with pytest.raises(CalibrationError, match="larger than"):
         load_calibration(p)
+
+
+def test_a_deeply_nested_or_endless_number_file_is_refused(tmp_path: Path) -> None:
+    head = '{"format": "hpcsplit-calibration", "schema_version": 1, "notes": '
+    for body, msg in (("[" * 200_000 + "]" * 200_000, "nests JSON too deeply"), ("1" * 5000, "not a JSON")):
+        p = tmp_path / "calibration.json"
+        p.write_text(head + body + "}")
+        with pytest.raises(CalibrationError, match=msg):
+            load_calibration(p)
 
 
 def test_errors_are_hpcsplit_errors() -> None:

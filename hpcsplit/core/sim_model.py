@@ -179,11 +179,10 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
             if m not in profiles:
                 raise PlanError(f"no profile for component {m!r}: profile the switchboard the plan was made for")
     comps = []
-    producers: dict[str, str] = {}
-    for src, sname, _, _ in g.edges:
-        producers[sname] = src
-    for n, ins, _ in g.components:
-        srcs = {producers.get(v, INPUT) for v in ins}
+    for n, _, _ in g.components:
+        # a request needs one message here from each distinct sender (the frontend's carries every model input;
+        # a component's, all its values for this one: runtime.routing.Dataflow.send_groups)
+        srcs = {src for src, _, dst, _ in g.edges if dst == n}
         sinks: dict[int, float] = {}
         for src, sname, dst, _ in g.edges:
             if src == n:

@@ -9,7 +9,8 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
 - **frontend** (``frontend.py``): requests wait at the frontend until fewer than ``max_inflight`` are in the
   pipeline; one loop turn admits every arrived request (at most ``max_admit``), routes each, and sends one
   message per entry component replica; a request is done when the messages of every component that
-  produces a model output have come back; one not done ``request_timeout_s`` after its arrival fails;
+  produces a model output have come back; one not done ``request_timeout_s`` after its arrival fails, and a
+  sleeping frontend wakes for that deadline (its window frees then, not when the late output comes);
 - **routing**: the runtime's own router (:class:`~hpcsplit.core.policy.ReplicaRouter`, which
   ``runtime.routing.Router`` is): per component the replica with the fewest outstanding requests, ties to
   the bigger replica, then to the one used least recently;
@@ -26,7 +27,8 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   frontend's turn after a sleep, the small program's ``compute_cold``), with the profile's spread as jitter;
 - **idle policy** (``mailbox.Backoff``): after its work a rank polls back to back for ``spin_us``, taking a
   core, and sees a message in that time at once; then it sleeps, and a message waits the hop delay of its
-  idle gap;
+  idle gap; a sleep is never longer than the rank's next timer (the frontend's next arrival or deadline, a
+  waiting batch's ``max_wait_ms``): whichever of the ring and the timer comes first ends it;
 - **time-shared CPU** (CPU plans): every turn is work on its node's cores; when the busy and polling ranks'
   threads exceed the cores each runs at ``cores / threads`` of its speed (processor sharing), and ``k`` ranks
   computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth).
@@ -57,8 +59,9 @@ STATUS_PENDING = 0
 STATUS_OK = 1  # as runtime.frontend.STATUS_OK
 STATUS_TIMEOUT = 2
 
-_ARR, _DLV, _TURN, _DONE, _SPIN = 0, 1, 2, 3, 4
+_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE = 0, 1, 2, 3, 4, 5
 _IDLE, _SCHEDULED, _BUSY, _SPINNING = 0, 1, 2, 3  # a rank's states
+_OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +198,6 @@ class _Sim:
         self.cal = cal
         self.noise = _Noise(seed)
         n = len(s.ranks)
-        self.n = n
         self.comp = [r.component for r in s.ranks]
         self.node = [r.node for r in s.ranks]
         self.bs = [max(1, r.batch_size) for r in s.ranks]
@@ -207,10 +209,13 @@ class _Sim:
         self.sinks = [c.sinks for c in s.components]
         self.state = [_IDLE] * n
         self.sv = [0] * n  # spin versions (a message during the spin ends it)
-        self.waiting = [False] * n  # the scheduled turn is a batch's max_wait_ms deadline
+        self.wk = [_OWN] * n  # what the scheduled turn is (_OWN, _RING, _TIMER)
+        self.turn_at = [0.0] * n  # when the scheduled turn comes
         self.tv = [0] * n  # turn versions (a newer scheduled turn makes older ones stale)
         self.jv = [0] * n  # job versions (processor sharing reschedules a job's end)
         self.last = [0.0] * n  # when the rank last finished work
+        self.ran = [0.0] * n  # when the rank's program last finished a batch (its cold extra counts from there)
+        self.owed = [0] * n  # messages a rank took in turns that ran no batch: their CPU is paid with the next batch
         self.inbox: list[list[list[int]]] = [[] for _ in range(n)]
         self.ready: list[deque[tuple[float, int]]] = [deque() for _ in range(n)]
         self.count: list[dict[int, int]] = [{} for _ in range(n)]
@@ -246,7 +251,7 @@ class _Sim:
         self._timer = cal.frontend_timer
         self._cross = cal.cross_extra
         self._fe_cold = cal.compute_cold
-        self.woke = [False] * n  # the scheduled turn ends a sleep (not a poll, nor the rank's own next turn)
+        self.due_armed = False  # a _DUE event (the oldest request's deadline) is in the heap
 
     # ------------------------------------------------------------------ events and costs
     def push(self, t: float, kind: int, r: int, payload: Any = None) -> None:
@@ -337,12 +342,55 @@ class _Sim:
             self.spinners[node] -= 1
             self._reschedule(node, now)
 
+    def schedule(self, r: int, at: float, kind: int) -> None:
+        """The rank's next turn is at ``at`` (any turn scheduled before is stale)."""
+        self.state[r] = _SCHEDULED
+        self.wk[r] = kind
+        self.turn_at[r] = at
+        self.tv[r] += 1
+        self.push(at, _TURN, r, self.tv[r])
+
     def turn_now(self, r: int, t: float) -> None:
         """A spinning rank sees the message (or arrival) at once: no wake-up."""
         self.unspin(r, t)
-        self.state[r] = _SCHEDULED
-        self.tv[r] += 1
-        self.push(t, _TURN, r, self.tv[r])
+        self.schedule(r, t, _OWN)
+
+    def ring(self, r: int, t: float, cross: bool) -> None:
+        """A message reached rank ``r`` at ``t``: a polling rank takes it now, a sleeping one when the hop delay
+        of its idle gap has passed, unless its timer ends the sleep sooner."""
+        st = self.state[r]
+        if st == _SPINNING:
+            self.turn_now(r, t)
+        elif st == _IDLE or (st == _SCHEDULED and self.wk[r] == _TIMER):
+            at = t + self.hop_extra(t - self.last[r], cross)
+            if st == _IDLE or at < self.turn_at[r]:
+                self.schedule(r, at, _RING)
+
+    def fe_timer(self, t: float) -> None:
+        """The frontend's sleep is timed to end at ``t`` (an arrival, a deadline): it runs the timer's lag later,
+        unless a ring ends the sleep sooner."""
+        st = self.state[0]
+        if st == _SPINNING:
+            self.turn_now(0, t)
+        elif st == _IDLE or (st == _SCHEDULED and self.wk[0] == _RING):
+            at = t + self._timer.at((t - self.last[0]) * 1e3) / 1e3
+            if st == _IDLE or at < self.turn_at[0]:
+                self.schedule(0, at, _TIMER)
+
+    def arm_deadline(self) -> None:
+        """The frontend goes idle: it wakes when its oldest request in flight passes ``request_timeout_s``
+        (``Frontend.run``'s sleep is bounded by that deadline)."""
+        order, status = self.order, self.status
+        while order and status[order[0]] != STATUS_PENDING:
+            order.popleft()
+        if self.due_armed or not order:
+            return
+        a = self.arr[order[0]]
+        due = a + self.timeout
+        while due - a <= self.timeout:  # the first time the scan counts it expired (``now - arrival > timeout``)
+            due = math.nextafter(due, math.inf)
+        self.due_armed = True
+        self.push(due, _DUE, 0)
 
     # ------------------------------------------------------------------ the loop
     def run(self, arr: np.ndarray) -> SimRun:
@@ -361,7 +409,7 @@ class _Sim:
         self.router = ReplicaRouter([c.replicas for c in s.components], {r.rank: r.size for r in s.ranks})
         self.timeout = s.policy.request_timeout_s
         if n_req:
-            self.push(self.arr[0], _ARR, 0)
+            self.push(self.arr[0], _ARR, 0, 0)
         events = 0
         heap = self.heap
         pop = heapq.heappop
@@ -371,15 +419,7 @@ class _Sim:
             if kind == _DLV:
                 ids, cross = payload
                 self.inbox[r].append(ids)
-                st = self.state[r]
-                if st == _SPINNING:
-                    self.turn_now(r, t)
-                elif st == _IDLE or self.waiting[r]:  # asleep, or until a batch's deadline: rung
-                    self.state[r] = _SCHEDULED
-                    self.woke[r] = st == _IDLE
-                    self.waiting[r] = False
-                    self.tv[r] += 1
-                    self.push(t + self.hop_extra(t - self.last[r], cross), _TURN, r, self.tv[r])
+                self.ring(r, t, cross)
             elif kind == _DONE:
                 if payload == self.jv[r] and self.job[r] is not None:
                     if r == 0:
@@ -396,19 +436,16 @@ class _Sim:
                         self.fe_turn(t)
                     else:
                         self.comp_turn(r, t)
-            else:  # _ARR
-                self.nxt += 1
+            elif kind == _ARR:  # arrival ``payload`` (a frontend's turn at that instant may have seen it already)
+                self.nxt = max(self.nxt, payload + 1)
                 if self.nxt < n_req:
-                    self.push(self.arr[self.nxt], _ARR, 0)
+                    self.push(self.arr[self.nxt], _ARR, 0, self.nxt)
                 if self.inflight < s.policy.max_inflight:
-                    if self.state[0] == _SPINNING:
-                        self.turn_now(0, t)
-                    elif self.state[0] == _IDLE:  # asleep until this arrival: the timer's lag
-                        self.state[0] = _SCHEDULED
-                        self.woke[0] = True
-                        self.tv[0] += 1
-                        lag = self._timer.at((t - self.last[0]) * 1e3) / 1e3
-                        self.push(t + lag, _TURN, 0, self.tv[0])
+                    self.fe_timer(t)
+            else:  # _DUE: the oldest request's deadline
+                self.due_armed = False
+                if self.state[0] != _BUSY:  # (a busy frontend scans when its turn ends)
+                    self.fe_timer(t)
         done = np.asarray(self.done)
         return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
                       np.asarray(self.busy), events)
@@ -420,6 +457,8 @@ class _Sim:
         out: dict[tuple[int, int], list[int]] = {}
         n_adm = 0
         arr, status, timeout = self.arr, self.status, self.timeout
+        while self.nxt < len(arr) and arr[self.nxt] <= t:  # every request arrived by now (``arrivals <= now``)
+            self.nxt += 1
         while self.adm < self.nxt and self.inflight < pol.max_inflight and n_adm < pol.max_admit:
             i = self.adm
             self.adm += 1
@@ -452,8 +491,8 @@ class _Sim:
                 self.router.release(self.routes[i], failed=True)
                 self.inflight -= 1
         # the frontend's Python and torch calls after a sleep run cold, as a small program does (compute_cold)
-        cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.woke[0] else 0.0
-        self.woke[0] = False
+        cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.wk[0] != _OWN else 0.0
+        self.wk[0] = _OWN
         work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold
         self.start_job(0, t, work, (out, finished))
 
@@ -481,10 +520,11 @@ class _Sim:
             self.fe_turn(t)
         else:
             self.spin(0, t)
+            self.arm_deadline()
 
     # ------------------------------------------------------------------ a component replica
     def comp_turn(self, r: int, t: float) -> None:
-        self.waiting[r] = False
+        self.wk[r] = _OWN
         c = self.comp[r]
         need = self.need[c]
         ready = self.ready[r]
@@ -516,13 +556,14 @@ class _Sim:
             sig = self.sigma[r]
             if sig > 0:
                 comp *= math.exp(sig * self.noise())
-            gap_ms = (t - self.last[r]) * 1e3
-            comp += self.cold[r].at(gap_ms) / 1e3
-            n_out = sum(1 for _ in self.sinks[c])  # at least one message per destination component
-            work = comp + self.c_msg * (n_in + n_out) + self.c_req * b
-            self.start_job(r, t, work, ids)
+            comp += self.cold[r].at((t - self.ran[r]) * 1e3) / 1e3  # since the program last ran
+            sends = self.outputs(c, ids)
+            work = comp + self.c_msg * (n_in + self.owed[r] + len(sends)) + self.c_req * b
+            self.owed[r] = 0
+            self.start_job(r, t, work, sends)
             return
         self.last[r] = t
+        self.owed[r] += n_in
         if self.trace is not None:
             self.trace.append((r, t, [x[1] for x in list(ready)[n_before:]], []))
         if ready:  # a batch waits for max_wait_ms: the rank sleeps until then (or a message rings it)
@@ -531,29 +572,32 @@ class _Sim:
             self.spin(r, t)
 
     def wait_for_batch(self, r: int) -> None:
-        self.state[r] = _SCHEDULED
-        self.waiting[r] = True
-        self.tv[r] += 1
+        """The rank sleeps until the oldest waiting request's ``max_wait_ms`` (or a message rings it)."""
         t0 = self.ready[r][0][0]
         due = t0 + self.wait_s
         while due - t0 < self.wait_s:  # the first time the batch is due in floating point (Batcher.due's test)
             due = math.nextafter(due, math.inf)
-        self.push(due, _TURN, r, self.tv[r])
+        self.schedule(r, due, _TIMER)
 
-    def comp_done(self, r: int, t: float) -> None:
-        ids = self.end_job(r, t)
-        c = self.comp[r]
+    def outputs(self, c: int, ids: list[int]) -> list[tuple[int, list[int], float]]:
+        """A batch's messages: ``(rank, requests, bytes)``, one per destination replica on the requests' routes
+        (``component._send_outputs``)."""
         routes = self.routes
+        out: list[tuple[int, list[int], float]] = []
         for dc, nbytes in self.sinks[c]:
             if dc < 0:
-                self.send(t, r, 0, ids, nbytes * len(ids))
+                out.append((0, ids, nbytes * len(ids)))
                 continue
             groups: dict[int, list[int]] = {}
             for i in ids:
                 groups.setdefault(routes[i][dc], []).append(i)
-            for dst, g in groups.items():
-                self.send(t, r, dst, g, nbytes * len(g))
-        self.last[r] = t
+            out.extend((dst, g, nbytes * len(g)) for dst, g in groups.items())
+        return out
+
+    def comp_done(self, r: int, t: float) -> None:
+        for dst, ids, nbytes in self.end_job(r, t):
+            self.send(t, r, dst, ids, nbytes)
+        self.last[r] = self.ran[r] = t
         ready = self.ready[r]
         if self.inbox[r] or (ready and (len(ready) >= self.bs[r] or t - ready[0][0] >= self.wait_s)):
             self.state[r] = _SCHEDULED

@@ -204,3 +204,75 @@ def test_latency_table_interpolates_between_profiled_batches() -> None:
     assert table[0] == pytest.approx(72.0) and table[1] == pytest.approx(132.0)
     assert table[3] == pytest.approx(264.0) and sigma == 0.0  # beyond the largest: its throughput held
     assert math.isfinite(latency_table(prof.components["vision"], 3.0, 1)[0][0])  # the closest column below
+
+
+SLOW_WAKE = Curve((0.0, 0.9, 1.0), (0.0, 0.0, 5.0))  # a rank asleep 1 ms or more wakes 5 ms after a ring
+
+
+def test_a_ring_does_not_delay_a_batch_past_its_max_wait() -> None:
+    """``Backoff.idle`` never sleeps past the batch's deadline: a message that rings the rank meanwhile is taken
+    then, not when the ring's (slower) wake-up would come."""
+    cal = free(hop=SLOW_WAKE, hop_p90=SLOW_WAKE)
+    trace: list = []
+    simulate(chain([0.0], cal, batch=4, policy=ServePolicy(max_wait_ms=2.0, spin_us=0.0)), np.array([0.0, 1.5e-3]),
+             trace=trace)
+    batches = [(t, taken) for r, t, _, taken in trace if taken]
+    assert batches[0][1] == [0, 1] and batches[0][0] == pytest.approx(2e-3)  # (the ring would have run it at 6.5 ms)
+
+
+def test_an_arrival_ends_a_sleep_sooner_than_a_slow_ring() -> None:
+    """The frontend sleeps at most until the next arrival: one that comes before a ring's wake-up starts its turn,
+    which takes the output that rang it as well."""
+    cal = free(hop=SLOW_WAKE, hop_p90=SLOW_WAKE)
+    r = simulate(chain([1.0], cal, policy=ServePolicy(spin_us=0.0)), np.array([0.0, 3e-3]))
+    assert r.admit_s[1] == pytest.approx(3e-3) and r.done_s[0] == pytest.approx(3e-3)  # (not 6 ms, the ring's)
+
+
+def test_a_sleeping_frontend_wakes_for_the_oldest_deadline_and_frees_its_window() -> None:
+    r = simulate(chain([1000.0], free(), policy=ServePolicy(max_inflight=1, request_timeout_s=0.2)),
+                 np.array([0.0, 0.1]))
+    assert list(r.status) == [STATUS_TIMEOUT, STATUS_TIMEOUT]
+    assert r.admit_s[1] == pytest.approx(0.2)  # at request 0's deadline, not when its late output came (1 s)
+
+
+def test_a_programs_cold_extra_counts_from_its_last_batch_not_from_a_join_turn() -> None:
+    """A join's first input gets a turn; the batch runs when the second comes.  The program has not run since the
+    previous request, so the cold extra is of that gap (2 s), not of the 10 ms since the join's turn."""
+    cold = Curve((0.0, 100.0, 1000.0), (0.0, 0.0, 50.0))
+    comps = (SimComponent("a", 1, ((2, 64.0),), (1,)), SimComponent("b", 1, ((2, 64.0),), (2,)),
+             SimComponent("h", 2, ((-1, 4.0),), (3,)))
+    ranks = (SimRank(0, 0, -1), SimRank(1, 0, 0, latency_ms=(0.0,)), SimRank(2, 0, 1, latency_ms=(10.0,)),
+             SimRank(3, 0, 2, latency_ms=(0.0,), cold=cold))
+    system = SimSystem("join", comps, ((0, 64.0), (1, 64.0)), 1, ranks, (), free(), ServePolicy())
+    r = simulate(system, np.array([0.0, 2.0]))
+    assert ((r.done_s - r.arrival_s) * 1e3) == pytest.approx([10.0, 60.0])
+
+
+def test_a_batch_pays_for_every_message_in_and_one_per_destination_replica_out() -> None:
+    """Four requests come one by one (turns that run no batch: max_wait_ms), run as one batch and go to 4
+    replicas downstream: 4 messages out (``component._send_outputs``) and 4 in, each the calibrated CPU."""
+    cal = free(component_us_per_message=1000.0)
+    comps = (SimComponent("c0", 1, ((1, 64.0),), (1,)), SimComponent("c1", 1, ((-1, 64.0),), (2, 3, 4, 5)))
+    ranks = (SimRank(0, 0, -1), SimRank(1, 0, 0, 4, latency_ms=(0.0,) * 4),
+             *(SimRank(k, 0, 1, latency_ms=(0.0,)) for k in (2, 3, 4, 5)))
+    system = SimSystem("fan", comps, ((0, 64.0),), 1, ranks, (), cal, ServePolicy(max_wait_ms=1.0))
+    r = simulate(system, np.arange(4) * 1e-4)
+    assert r.busy_s[1] == pytest.approx(8e-3)  # four messages in, four out
+    assert list(r.busy_s[2:]) == pytest.approx([2e-3] * 4)
+
+
+def test_requests_arriving_at_one_instant_are_admitted_in_one_turn() -> None:
+    """``Frontend.run`` admits every request with ``arrival <= now``: four at once travel in one message."""
+    trace: list = []
+    simulate(chain([1.0], free(), batch=4), np.zeros(4), trace=trace)
+    assert [taken for _, _, _, taken in trace if taken] == [[0, 1, 2, 3]]
+
+
+def test_a_join_needs_one_message_per_sender_whatever_the_ports_are_named() -> None:
+    g = SimGraph(("x",), (("a", ("x",), ("p",)), ("h", ("q", "x2"), ("y",))),
+                 (("input", "x", "a", "x"), ("a", "p", "h", "q"), ("input", "x", "h", "x2"), ("h", "y", "output", "y")),
+                 {"x": 4, "p": 4, "y": 4})
+    prof = make_profile({c: {"latency_ms": [[1.0]], "peak_mem_bytes": [[1.0]], "utilization": [[0.5]]}
+                         for c in ("a", "h")}, batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
+    system = build_system(_toy_plan(["a", "h"]), prof.components, g, free(), ServePolicy(), cores_per_node=4)
+    assert [c.need for c in system.components] == [1, 2]  # h: the frontend's message and a's

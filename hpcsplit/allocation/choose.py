@@ -17,8 +17,9 @@ The allocator maximises throughput, which on CPU favours one thread per rank; so
 plans, made with the SLO applied to each component at 1, 0.7, 0.5 and 0.35 times the end-to-end SLO (a tighter
 one leaves only faster options: more threads, larger slices, smaller batches), and every distinct plan is
 simulated at the demanded rate with Poisson arrivals (:mod:`hpcsplit.core.simulator`, the calibration's costs);
-a candidate's figures are those of its best plan.  ``objective: goodput`` picks the highest goodput (requests within the SLO per second)
-on the whole cluster, then the lowest p50, then the fewest devices; ``objective: devices`` the fewest devices
+a candidate's figures are those of its best plan.  ``objective: goodput`` picks the highest goodput (requests done
+within the SLO per second of the offered schedule: candidates that meet the SLO for the same requests tie) on the
+whole cluster, then the lowest p50, then the fewest devices; ``objective: devices`` the fewest devices
 whose simulated share of requests within the SLO reaches ``slo_quantile``, then the highest goodput.  The plan
 carries the table of candidates and the reason in ``meta.choice``; the stage prints it.
 """
@@ -45,7 +46,7 @@ from hpcsplit.core.sim_model import WHOLE, SimGraph, build_system
 from hpcsplit.core.simulator import ServePolicy, simulate
 from hpcsplit.errors import AllocationError, HpcsplitError
 
-__all__ = ["Candidate", "Choice", "candidates", "choose", "merged_profile"]
+__all__ = ["Candidate", "Choice", "candidates", "choose", "frontend_s_per_request", "merged_profile"]
 
 MIN_REQUESTS = 300  # simulated requests per candidate at the demanded rate (at least)
 RUNS = 3  # simulations per candidate (jitter seeds); figures are their medians
@@ -190,7 +191,9 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
     if missing:
         raise AllocationError(f"the profile has no figures for {missing}: profile the switchboard the plan is for")
     counts = device_counts(cluster) if settings.objective == "devices" else [cluster]
-    arr = arrival_times(rate, max(MIN_REQUESTS / rate, 10.0), "poisson", 0)
+    duration_s = max(MIN_REQUESTS / rate, 10.0)
+    arr = arrival_times(rate, duration_s, "poisson", 0)
+    frontend_s = frontend_s_per_request(calibration)
     rows: list[dict[str, Any]] = []
     plans: dict[int, Plan] = {}
     base = dataclasses.replace(settings, rate_rps=None)
@@ -207,7 +210,7 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
             for f in PLAN_SLO_FACTORS:  # the allocator's plans under tighter per-component SLOs: faster options
                 try:
                     alloc = allocate(prof, cl, dataclasses.replace(base, slo_ms=slo * f),
-                                     frontend_s_per_request=_frontend_s(calibration) if calibration.measured else None)
+                                     frontend_s_per_request=frontend_s)
                 except HpcsplitError as e:
                     errors.append(str(e).splitlines()[0])
                     continue
@@ -216,7 +219,8 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
                 if shape in seen:
                     continue
                 seen.add(shape)
-                fig = _simulated(plan, cand, profile, graph, calibration, policy, cl, switchboard_sha256, arr, slo)
+                fig = _simulated(plan, cand, profile, graph, calibration, policy, cl, switchboard_sha256, arr,
+                                 duration_s, slo)
                 key = (-round(fig["goodput_rps"], 6), fig["p50_ms"], plan.world_size)
                 if top is None or key < top[0]:
                     top = (key, plan, {**fig, "component_slo_ms": slo * f})
@@ -263,8 +267,10 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
 
 
 def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, calibration: Calibration,
-               policy: ServePolicy, cl: ClusterSpec, sha: str | None, arr: np.ndarray, slo: float) -> dict[str, float]:
-    """Medians over :data:`RUNS` simulations of ``plan`` at the schedule ``arr``: share and rate within ``slo``."""
+               policy: ServePolicy, cl: ClusterSpec, sha: str | None, arr: np.ndarray, duration_s: float,
+               slo: float) -> dict[str, float]:
+    """Medians over :data:`RUNS` simulations of ``plan`` at the schedule ``arr`` (``duration_s`` long): the share of
+    requests done within ``slo`` and their rate over the schedule (the same requests: the same goodput)."""
     variant = "whole" if cand.groups == ((WHOLE,),) else "grouped"
     system = build_system(plan, profile.components, graph, calibration, policy, variant=variant,
                           groups=[list(g) for g in cand.groups if g != (WHOLE,)],
@@ -273,16 +279,16 @@ def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, c
     for k in range(RUNS):
         r = simulate(system, arr, seed=k)
         okl = ((r.done_s - r.arrival_s) * 1e3)[r.ok]
-        span = float(np.nanmax(r.done_s) - arr[0]) if r.ok.any() else math.nan
         n_in = int((okl <= slo).sum())
         within.append(n_in / len(arr))
-        good.append(n_in / span if span and span > 0 else 0.0)
+        good.append(n_in / duration_s)
         p50.append(float(np.percentile(okl, 50)) if okl.size else math.inf)
         p99.append(float(np.percentile(okl, 99)) if okl.size else math.inf)
     return {"within_slo": float(np.median(within)), "goodput_rps": float(np.median(good)),
             "p50_ms": float(np.median(p50)), "p99_ms": float(np.median(p99))}
 
 
-def _frontend_s(cal: Calibration) -> float:
-    """The frontend's CPU seconds per request for the time-sharing pass: a request and one message."""
-    return (cal.frontend_us_per_request + cal.frontend_us_per_message) / 1e6
+def frontend_s_per_request(cal: Calibration) -> float | None:
+    """The frontend's CPU seconds per request for the allocator's time-sharing pass (a request and one message):
+    a calibration's, else None (the allocator's default, ``timeshare.FRONTEND_S_PER_REQUEST``)."""
+    return (cal.frontend_us_per_request + cal.frontend_us_per_message) / 1e6 if cal.measured else None

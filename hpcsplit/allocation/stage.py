@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hpcsplit.allocation.choose import choose
+from hpcsplit.allocation.choose import choose, frontend_s_per_request
 from hpcsplit.allocation.settings import AllocateSettings
 from hpcsplit.allocation.solve import allocate
 from hpcsplit.allocation.to_plan import plot_plan
@@ -61,7 +61,7 @@ def run_allocate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     profiles = [read_profile(p) for p in paths.profiles]
     if settings.rate_rps is not None:  # [Note: choosing by prediction] in hpcsplit.allocation.choose
         return _choose(cfg, settings, cluster, paths, cal, profiles)
-    alloc = allocate(profiles, cluster, settings, frontend_s_per_request=_frontend_s(cal))
+    alloc = allocate(profiles, cluster, settings, frontend_s_per_request=frontend_s_per_request(cal))
     plan = alloc.to_plan()
     plan_path = plan.save(paths.own_plan)
     png = plot_plan(plan, paths.plan_png)
@@ -105,8 +105,3 @@ def _choose(cfg: dict[str, Any], settings: AllocateSettings, cluster: ClusterSpe
     log.info("plan written to %s\n%s", plan_path, choice.plan.format())
     return {"plan": str(plan_path), "plot": str(png) if png else None, "world_size": choice.plan.world_size,
             "chosen": choice.chosen, "why": choice.why, "candidates": list(choice.rows), "table": text}
-
-
-def _frontend_s(cal: Calibration) -> float | None:
-    """The frontend's CPU per request for the time-sharing pass: a calibration's, else the allocator's default."""
-    return (cal.frontend_us_per_request + cal.frontend_us_per_message) / 1e6 if cal.measured else None

@@ -71,6 +71,10 @@ def test_the_whole_model_when_the_split_does_not_pay() -> None:
     assert c.chosen == "whole", c.table()
     assert c.plan.meta["choice"]["chosen"] == "whole" and {r.component for r in c.plan.ranks} == {None, "whole"}
     assert "highest simulated goodput" in c.why
+    # every candidate serves every request within the SLO: the same goodput (not each one's last completion), so
+    # the lowest p50 decides
+    assert all(r["within_slo"] == 1.0 for r in c.rows) and len({r["goodput_rps"] for r in c.rows}) == 1
+    assert min(c.rows, key=lambda r: r["p50_ms"])["candidate"] == "whole"
 
 
 def test_the_split_when_it_pays_and_the_whole_when_hops_get_dear() -> None:

@@ -225,6 +225,8 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
             int(rec[k])
         for k in ("max_wait_ms", "request_timeout_s", "duration_s"):
             float(rec[k])
+        if not 0 <= float(rec.get("spin_us", 0.0)) <= 1e6:  # (a record before spin_us: the config's)
+            raise ValueError(f"spin_us {rec['spin_us']!r}")
         if rec["arrival"] not in ARRIVALS or not [float(q) for q in rec["qps"]]:
             raise ValueError(f"arrival {rec['arrival']!r}")
         for r in rows:
@@ -241,11 +243,14 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
 def schedule_of(cfg: Mapping[str, Any], s: SimulateSettings, rec: Mapping[str, Any] | None) -> Schedule:
     """The bench's recorded schedule and policy when there is one, else the config's."""
     rt, b = stage_settings(cfg)
+    # the bench polls after work as the runtime does in bench mode: runtime.spin_us, else mailbox.SPIN_S
+    spin_us = ServePolicy().spin_us if rt.spin_us is None else rt.spin_us
     if rec is not None:
-        pol = ServePolicy(int(rec["max_inflight"]), float(rec["max_wait_ms"]), float(rec["request_timeout_s"]))
+        pol = ServePolicy(int(rec["max_inflight"]), float(rec["max_wait_ms"]), float(rec["request_timeout_s"]),
+                          spin_us=float(rec.get("spin_us", spin_us)))
         return Schedule(s.qps or tuple(float(q) for q in rec["qps"]), float(rec["duration_s"]),
                         int(rec["min_requests"]), str(rec["arrival"]), int(rec["seed"]), pol, "bench")
-    pol = ServePolicy(rt.max_inflight, rt.max_wait_ms, b.request_timeout_s or rt.request_timeout_s)
+    pol = ServePolicy(rt.max_inflight, rt.max_wait_ms, b.request_timeout_s or rt.request_timeout_s, spin_us=spin_us)
     return Schedule(s.qps or b.qps, b.duration_s, b.min_requests, b.arrival, b.seed, pol, "config")
 
 

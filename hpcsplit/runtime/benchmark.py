@@ -59,7 +59,7 @@ def start_levels(ctx: RankContext) -> None:
     record = {"plan_sha256": hashlib.sha256(ctx.paths.plan.read_bytes()).hexdigest(), "qps": list(b.qps),
               "duration_s": b.duration_s, "min_requests": b.min_requests, "arrival": b.arrival, "seed": b.seed,
               "request_timeout_s": b.request_timeout_s or rt.request_timeout_s, "max_inflight": rt.max_inflight,
-              "max_wait_ms": rt.max_wait_ms}
+              "max_wait_ms": rt.max_wait_ms, "spin_us": ctx.spin_s * 1e6}
     ctx.paths.bench_record.write_text(json.dumps(record, indent=1) + "\n")
 
 

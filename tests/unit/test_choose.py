@@ -151,9 +151,23 @@ def test_a_bench_of_another_plan_or_a_damaged_one_is_not_compared(tmp_path: Path
     row = "variant,offered_qps,achieved_qps,p50_ms,p99_ms,success_rate\nsplit,2,1.9,80,100,1\n"
     paths.bench_summary.write_text(row)
     for good, r in ((True, rec), (False, {**rec, "plan_sha256": "0" * 64}), (False, {**rec, "max_inflight": "x"}),
-                    (False, {**rec, "arrival": "zipf"})):
+                    (False, {**rec, "arrival": "zipf"}), (False, {**rec, "spin_us": "x"}), (True, {**rec, "spin_us": 50.0})):
         paths.bench_record.write_text(json.dumps(r))
         assert (bench_record(paths, paths.own_plan) is not None) == good, r
     paths.bench_record.write_text(json.dumps(rec))
     paths.bench_summary.write_text(row.replace("80", "fast"))
     assert bench_record(paths, paths.own_plan) is None
+
+
+def test_the_simulated_schedule_polls_after_work_as_the_bench_did() -> None:
+    """``runtime.spin_us`` (and the spin a bench recorded) reach the simulation: a rank that polls longer sees
+    the next message without a wake-up."""
+    from hpcsplit.launch.simulate import SimulateSettings, schedule_of
+
+    s = SimulateSettings.from_config({})
+    assert schedule_of({}, s, None).policy.spin_us == 50.0  # mailbox.SPIN_S, the bench mode's
+    assert schedule_of({"runtime": {"spin_us": 2000}}, s, None).policy.spin_us == 2000.0
+    rec = {"qps": [2], "duration_s": 10.0, "min_requests": 30, "arrival": "poisson", "seed": 0,
+           "request_timeout_s": 10.0, "max_inflight": 64, "max_wait_ms": 0.0}
+    assert schedule_of({"runtime": {"spin_us": 0}}, s, rec).policy.spin_us == 0.0  # a record without it
+    assert schedule_of({}, s, {**rec, "spin_us": 700.0}).policy.spin_us == 700.0

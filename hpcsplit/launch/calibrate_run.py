@@ -39,6 +39,7 @@ import torch
 
 from hpcsplit.core.calibration import load_calibration
 from hpcsplit.core.cluster import ClusterSpec
+from hpcsplit.core.device import time_latency_ms
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan, RankEntry
 from hpcsplit.errors import CalibrationError
@@ -89,6 +90,7 @@ class _Job:
     def __init__(self, comm: Any, s: CalibrateSettings, rt: RuntimeSettings) -> None:
         self.comm, self.s, self.rt = comm, s, rt
         self.rank = comm.Get_rank()
+        self.wait("start")  # every rank there (or named) before a blocking collective, which would wait for ever
         self.hosts = [str(h) for h in comm.allgather(socket.gethostname())]
         self.same = [r for r in range(1, len(self.hosts)) if self.hosts[r] == self.hosts[0]]
         self.cross = [r for r in range(len(self.hosts)) if self.hosts[r] != self.hosts[0]]
@@ -233,7 +235,7 @@ class _Job:
         lin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU()).eval()
         x = torch.randn(1, 64)
         with torch.inference_mode():
-            b2b = _times(lambda: lin(x), SMALL_RUNS, 0.0)
+            b2b = time_latency_ms(lin, (x,), warmup=2, iters=SMALL_RUNS)  # the profile's timer
             after = {g: _times(lambda: lin(x), self._runs(g, self.s.samples), g / 1e3) for g in self.s.gaps_ms}
         return {"b2b_ms": b2b, "after_ms": {str(g): v for g, v in after.items()}}
 
@@ -250,9 +252,7 @@ class _Job:
             for name in (*sb.order, "whole"):
                 fn = sb.load_whole() if name == "whole" else sb.load_component(name)
                 args = tuple(sb.example_inputs(1)) if name == "whole" else tuple(acts[name])
-                for _ in range(2):
-                    fn(*args)
-                b2b = _times(lambda fn=fn, args=args: fn(*args), self.s.program_runs + 2, 0.0)
+                b2b = time_latency_ms(fn, args, warmup=2, iters=self.s.program_runs + 2)  # as the profile times it
                 after = {str(g): _times(lambda fn=fn, args=args: fn(*args), self.s.program_runs, g / 1e3)
                          for g in self.s.program_gaps_ms}
                 progs[name] = {"b2b_ms": b2b, "after_ms": after}
@@ -269,10 +269,10 @@ def _stamped(x: torch.Tensor) -> torch.Tensor:
 
 
 def _times(fn: Any, n: int, sleep_s: float) -> list[float]:
+    """ms of ``n`` runs of ``fn``, each after ``sleep_s`` idle (its cold extra)."""
     out = []
     for _ in range(n):
-        if sleep_s:
-            time.sleep(sleep_s)
+        time.sleep(sleep_s)
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
@@ -315,6 +315,7 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
     for k in range(1, k_max + 1):
         job.wait(f"corun {k}")
         mine = job.matmul_rate(1, CORUN_S) if rank in node0[:k] else None
+        job.wait(f"corun {k}: done")  # the gather below blocks (and spins) only once every rank is there
         got = comm.gather(mine, root=0)
         if rank == 0:
             rates[str(k)] = [float(v) for v in got if v is not None]

@@ -9,7 +9,10 @@ exported split.  It considers candidate splits of the switchboard (:func:`candid
 - for each set of parallel branches (components with the same sources, none reaching another), those
   branches as one group (``[Note: component groups]``): that region left unsplit;
 - for each pair of consecutive stages (a component whose only consumer has it as its only source), the two as
-  one group: one stage fewer.
+  one group: one stage fewer;
+- for each chain of three or more such stages, every other stage count: the chain cut into ``m`` contiguous
+  groups (``m`` from 1 to the chain's length less 2), the cuts that make the slowest group fastest (profiled
+  batch-1 latency at the fewest threads or smallest slice; the earliest cuts on a tie).
 
 Each candidate is allocated as the allocator always does (its groups profiled as the sum of their members at
 each batch size and slice, :func:`merged_profile`), on every device count from one device up to the cluster's.
@@ -74,8 +77,9 @@ class Candidate:
         return dict(sorted(out.items(), key=lambda kv: names.index(kv[1][0])))
 
 
-def candidates(graph: SimGraph) -> list[Candidate]:
-    """``[Note: choosing by prediction]``'s candidates for a dataflow, in a fixed order (whole first)."""
+def candidates(graph: SimGraph, weights: Mapping[str, float] | None = None) -> list[Candidate]:
+    """``[Note: choosing by prediction]``'s candidates for a dataflow, in a fixed order (whole first); ``weights``
+    (component -> batch-1 ms) balance a chain's stages (equal without)."""
     names = list(graph.names)
     out = [Candidate("whole", ((WHOLE,),))] if len(names) > 1 else []
     srcs: dict[str, set[str]] = {c: set() for c in names}
@@ -93,13 +97,55 @@ def candidates(graph: SimGraph) -> list[Candidate]:
         par = [c for c in sib if not any(o in reach[c] for o in sib if o != c)]
         if 2 <= len(par) < len(names):
             out.append(Candidate(f"{group_name(par, names)} unsplit", (tuple(par),)))
+    nxt: dict[str, str] = {}  # a -> b: consecutive stages (b is a's only consumer, a is b's only source)
     for a in names:
         if len(dsts[a]) == 1:
             (b,) = dsts[a]
             if b in srcs and srcs[b] == {a} and len(names) > 2:
+                nxt[a] = b
                 out.append(Candidate(f"{a}+{b} as one stage", ((a, b),)))
+    w = weights or {}
+    for a in names:
+        if a in nxt.values():
+            continue  # not the start of a chain
+        chain = [a]
+        while chain[-1] in nxt:
+            chain.append(nxt[chain[-1]])
+        for m in range(1, len(chain) - 1):
+            if m == 1 and len(chain) == len(names):
+                continue  # the whole model
+            groups = tuple(g for g in _balanced(chain, [float(w.get(c, 1.0)) for c in chain], m) if len(g) > 1)
+            out.append(Candidate(f"{chain[0]}..{chain[-1]} in {m} stage{'s' if m > 1 else ''}", groups))
     out.append(Candidate("split", ()))
     return out
+
+
+def _balanced(chain: Sequence[str], w: Sequence[float], m: int) -> list[tuple[str, ...]]:
+    """``chain`` cut into ``m`` contiguous groups whose largest total weight is the smallest (earliest cuts on ties).
+
+    >>> _balanced("abcde", [1, 1, 1, 1, 4], 2)
+    [('a', 'b', 'c', 'd'), ('e',)]
+    """
+    n = len(chain)
+    pre = [0.0]
+    for x in w:
+        pre.append(pre[-1] + x)
+    inf = math.inf
+    best = [[inf] * (m + 1) for _ in range(n + 1)]  # best[j][k]: the first j cut into k groups
+    cut = [[0] * (m + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for k in range(1, m + 1):
+        for j in range(k, n - (m - k) + 1):
+            for i in range(k - 1, j):
+                v = max(best[i][k - 1], pre[j] - pre[i])
+                if v < best[j][k]:
+                    best[j][k], cut[j][k] = v, i
+    groups, j = [], n
+    for k in range(m, 0, -1):
+        i = cut[j][k]
+        groups.append(tuple(chain[i:j]))
+        j = i
+    return groups[::-1]
 
 
 def _reach(c: str, dsts: Mapping[str, set[str]]) -> set[str]:
@@ -197,7 +243,7 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
     rows: list[dict[str, Any]] = []
     plans: dict[int, Plan] = {}
     base = dataclasses.replace(settings, rate_rps=None)
-    for cand in candidates(graph):
+    for cand in candidates(graph, {c: _batch1_ms(profile.components[c]) for c in names}):
         served = cand.served(names)
         comps = {s: merged_profile([profile.components[m] for m in ms], s) if len(ms) > 1 else profile.components[ms[0]]
                  for s, ms in served.items()}
@@ -286,6 +332,14 @@ def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, c
         p99.append(float(np.percentile(okl, 99)) if okl.size else math.inf)
     return {"within_slo": float(np.median(within)), "goodput_rps": float(np.median(good)),
             "p50_ms": float(np.median(p50)), "p99_ms": float(np.median(p99))}
+
+
+def _batch1_ms(cp: ComponentProfile) -> float:
+    """A component's batch-1 p50 at its first profiled slice (fewest threads, smallest slice): a chain's weights."""
+    if 1 not in cp.batch_sizes:
+        return 1.0
+    v = cp.latency_p50_ms(cp.batch_sizes.index(1), 0)
+    return float(v) if math.isfinite(v) else 1.0
 
 
 def frontend_s_per_request(cal: Calibration) -> float | None:

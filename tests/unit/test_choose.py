@@ -57,6 +57,18 @@ def test_candidates_are_whole_each_region_unsplit_stages_and_split() -> None:
     assert [c.name for c in candidates(chain)] == ["whole", "split"]  # two stages: as one is the whole
 
 
+def test_a_chain_of_stages_is_tried_at_every_stage_count() -> None:
+    names = "abcde"
+    comps = tuple((n, (f"v{i}",), (f"v{i + 1}",)) for i, n in enumerate(names))
+    edges = (("input", "v0", "a", "v0"), *((names[i], f"v{i + 1}", names[i + 1], f"v{i + 1}") for i in range(4)),
+             ("e", "v5", "output", "y"))
+    cands = {c.name: c.groups for c in candidates(SimGraph(("v0",), comps, edges, {}), dict(zip(names, [1, 1, 1, 1, 4])))}
+    assert list(cands) == ["whole", "a+b as one stage", "b+c as one stage", "c+d as one stage", "d+e as one stage",
+                           "a..e in 2 stages", "a..e in 3 stages", "split"]  # 5, 4 (the pairs), 3, 2 and 1 stage(s)
+    assert cands["a..e in 2 stages"] == (("a", "b", "c", "d"),)  # e alone weighs as much as the four others
+    assert all(len(g) > 1 for name, gs in cands.items() if name != "whole" for g in gs)  # groups, not singletons
+
+
 def test_a_group_is_profiled_as_its_members_back_to_back() -> None:
     p = _profile({"vision": 120.0, "text": 40.0})
     g = merged_profile([p.components["vision"], p.components["text"]], "vision+text")

@@ -377,7 +377,7 @@ class _Sim:
             if st == _IDLE or at < self.turn_at[0]:
                 self.schedule(0, at, _TIMER)
 
-    def arm_deadline(self) -> None:
+    def arm_deadline(self, t: float) -> None:
         """The frontend goes idle: it wakes when its oldest request in flight passes ``request_timeout_s``
         (``Frontend.run``'s sleep is bounded by that deadline)."""
         order, status = self.order, self.status
@@ -390,7 +390,7 @@ class _Sim:
         while due - a <= self.timeout:  # the first time the scan counts it expired (``now - arrival > timeout``)
             due = math.nextafter(due, math.inf)
         self.due_armed = True
-        self.push(due, _DUE, 0)
+        self.push(max(due, t), _DUE, 0)  # (it may have passed during the turn that ends now)
 
     # ------------------------------------------------------------------ the loop
     def run(self, arr: np.ndarray) -> SimRun:
@@ -442,10 +442,16 @@ class _Sim:
                     self.push(self.arr[self.nxt], _ARR, 0, self.nxt)
                 if self.inflight < s.policy.max_inflight:
                     self.fe_timer(t)
-            else:  # _DUE: the oldest request's deadline
+            else:  # _DUE: the oldest request's deadline (a busy frontend scans when its turn ends)
                 self.due_armed = False
-                if self.state[0] != _BUSY:  # (a busy frontend scans when its turn ends)
-                    self.fe_timer(t)
+                if self.state[0] != _BUSY:
+                    order = self.order
+                    while order and self.status[order[0]] != STATUS_PENDING:
+                        order.popleft()
+                    if order and t - self.arr[order[0]] > self.timeout:
+                        self.fe_timer(t)  # its turn's scan fails it; the frontend's next sleep arms the next
+                    else:
+                        self.arm_deadline(t)  # the one armed for finished: the oldest still in flight
         done = np.asarray(self.done)
         return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
                       np.asarray(self.busy), events)
@@ -520,7 +526,7 @@ class _Sim:
             self.fe_turn(t)
         else:
             self.spin(0, t)
-            self.arm_deadline()
+            self.arm_deadline(t)
 
     # ------------------------------------------------------------------ a component replica
     def comp_turn(self, r: int, t: float) -> None:

@@ -4,6 +4,7 @@ the window and timeouts, grouping, and the systems built from a plan and a profi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -276,3 +277,25 @@ def test_a_join_needs_one_message_per_sender_whatever_the_ports_are_named() -> N
                          for c in ("a", "h")}, batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
     system = build_system(_toy_plan(["a", "h"]), prof.components, g, free(), ServePolicy(), cores_per_node=4)
     assert [c.need for c in system.components] == [1, 2]  # h: the frontend's message and a's
+
+
+def test_time_never_runs_backwards_when_deadlines_pass_during_slow_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frontend turns of 5 ms a request and a 20 ms timeout: deadlines pass while the frontend works (its wake-up
+    for them is never put in the past); every event comes at or after the one before."""
+    import heapq
+
+    from hpcsplit.core import simulator as sim
+
+    times: list[float] = []
+    real = heapq.heappop
+
+    def pop(h: list) -> tuple:
+        item = real(h)
+        times.append(item[0])
+        return item
+
+    monkeypatch.setattr(sim.heapq, "heappop", pop)
+    cal = free(frontend_us_per_request=5000.0, hop=Curve.constant(0.2), hop_p90=Curve.constant(0.4))
+    r = simulate(chain([20.0, 5.0], cal, policy=ServePolicy(request_timeout_s=0.02)), arrival_times(80, 2.0, "poisson", 2))
+    assert (r.status == STATUS_TIMEOUT).all()  # (20 ms of compute: every request misses the 20 ms)
+    assert len(times) == r.events and all(b >= a for a, b in itertools.pairwise(times))

@@ -1,16 +1,51 @@
 """Policies the runtime serves by and the simulator (:mod:`hpcsplit.core.simulator`) follows: one code for both.
 
-``ReplicaRouter`` is the frontend's router (``hpcsplit.runtime.routing.Router`` adapts it to a dataflow).
+``ReplicaRouter`` is the frontend's router (``hpcsplit.runtime.routing.Router`` adapts it to a dataflow);
+``ServePolicy`` the runtime settings the simulation follows.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BUCKET_MIN", "ReplicaRouter"]
+from hpcsplit.core.settings import Checker, group_defaults
+
+__all__ = ["BUCKET_MIN", "ReplicaRouter", "ServePolicy"]
 
 BUCKET_MIN = 9  # components with at least this many replicas keep them ordered (no scan per request)
+
+
+@dataclass(frozen=True, slots=True)
+class ServePolicy:
+    """The runtime settings the simulation follows (``conf/runtime/default.yaml``'s values by default)."""
+
+    max_inflight: int = 64
+    max_wait_ms: float = 0.0
+    request_timeout_s: float = 60.0
+    max_admit: int = 256  # runtime.frontend.Frontend.run's max_admit
+    spin_us: float = 50.0  # a rank polls back to back this long after work (runtime.mailbox.SPIN_S, runtime.spin_us)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> ServePolicy:
+        """``runtime.max_inflight``, ``max_wait_ms``, ``request_timeout_s`` of a resolved config (over the defaults).
+
+        For stages that cannot import the runtime's settings (the allocator): the runtime checks its group itself.
+
+        >>> ServePolicy.from_config({"runtime": {"max_inflight": 8}}).max_inflight
+        8
+        """
+        node = cfg.get("runtime")
+        values = {**group_defaults("runtime"), **(node if isinstance(node, Mapping) else {})}
+        c = Checker("runtime", values, list(values))
+        spin = c.number("spin_us", lo=0, none=True)
+        out = cls(c.integer("max_inflight", lo=1), c.number("max_wait_ms", lo=0),
+                  c.number("request_timeout_s", lo=0, lo_open=True), spin_us=50.0 if spin is None else spin)
+        c.done()
+        return out
+
 
 
 class ReplicaRouter:

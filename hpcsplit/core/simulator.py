@@ -42,15 +42,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hpcsplit.core.calibration import Calibration, Curve
-from hpcsplit.core.policy import ReplicaRouter
-from hpcsplit.core.settings import Checker, group_defaults
+from hpcsplit.core.policy import ReplicaRouter, ServePolicy
 
 __all__ = ["STATUS_OK", "STATUS_TIMEOUT", "ServePolicy", "SimComponent", "SimRank", "SimRun",
            "SimSystem", "simulate"]
@@ -62,35 +60,6 @@ STATUS_TIMEOUT = 2
 _ARR, _DLV, _TURN, _DONE, _SPIN, _DUE = 0, 1, 2, 3, 4, 5
 _IDLE, _SCHEDULED, _BUSY, _SPINNING = 0, 1, 2, 3  # a rank's states
 _OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
-
-
-@dataclass(frozen=True, slots=True)
-class ServePolicy:
-    """The runtime settings the simulation follows (``conf/runtime/default.yaml``'s values by default)."""
-
-    max_inflight: int = 64
-    max_wait_ms: float = 0.0
-    request_timeout_s: float = 60.0
-    max_admit: int = 256  # runtime.frontend.Frontend.run's max_admit
-    spin_us: float = 50.0  # a rank polls back to back this long after work (runtime.mailbox.SPIN_S, runtime.spin_us)
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> ServePolicy:
-        """``runtime.max_inflight``, ``max_wait_ms``, ``request_timeout_s`` of a resolved config (over the defaults).
-
-        For stages that cannot import the runtime's settings (the allocator): the runtime checks its group itself.
-
-        >>> ServePolicy.from_config({"runtime": {"max_inflight": 8}}).max_inflight
-        8
-        """
-        node = cfg.get("runtime")
-        values = {**group_defaults("runtime"), **(node if isinstance(node, Mapping) else {})}
-        c = Checker("runtime", values, list(values))
-        spin = c.number("spin_us", lo=0, none=True)
-        out = cls(c.integer("max_inflight", lo=1), c.number("max_wait_ms", lo=0),
-                  c.number("request_timeout_s", lo=0, lo_open=True), spin_us=50.0 if spin is None else spin)
-        c.done()
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +98,7 @@ class SimSystem:
     ranks: tuple[SimRank, ...]  # ranks[0] is the frontend
     node_cores: tuple[float, ...]  # per node: cores that compute shares (CPU plans); () = compute on devices
     calibration: Calibration
-    policy: ServePolicy = ServePolicy()
+    policy: ServePolicy = field(default_factory=ServePolicy)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from hpcsplit.core.calibration import Calibration
 from hpcsplit.core.load import arrival_times, summarize
 from hpcsplit.core.sim_model import SimGraph, build_system
 from hpcsplit.core.simulator import ServePolicy, simulate
+from hpcsplit.launch.simulate import TARGET_PCT, err_pct
 
 EXPERIMENTS: dict[str, dict[str, Any]] = {
     # toy: components of microseconds (the runtime's own costs are everything); levels up to past saturation
@@ -115,22 +116,19 @@ def _merge(name: str, benches: list[list[dict[str, str]]]) -> list[dict[str, Any
     return rows
 
 
-def _err(p: float, m: float) -> float:
-    return (p - m) / m * 100 if m else float("nan")
-
-
 def report(rows: list[dict[str, Any]]) -> str:
     """The table: measured (each bench), predicted, error against each, the benches' own spread, the verdict."""
     head = (f"{'exp':<5} {'variant':<6} {'QPS':>6} | {'figure':<7} {'measured (each bench)':>26} {'predicted':>10} "
             f"{'error vs each':>17} {'bench spread':>12} | verdict")
     lines = [head, "-" * len(head)]
     for r in rows:
-        figs = [("req/s", "qps", 10.0)] if r["saturated"] else [("p50 ms", "p50_ms", 10.0), ("p99 ms", "p99_ms", 20.0)]
-        for label, f, tol in figs:
+        figs = [("req/s", "qps")] if r["saturated"] else [("p50 ms", "p50_ms"), ("p99 ms", "p99_ms")]
+        for label, f in figs:
+            tol = TARGET_PCT[f]
             meas = r[f"meas_{f}"]
             pred = r[f"pred_{f}"]
-            errs = [_err(pred, m) for m in meas]
-            mean_err = _err(pred, float(np.mean(meas)))
+            errs = [err_pct(pred, m) for m in meas]
+            mean_err = err_pct(pred, float(np.mean(meas)))
             spread = (max(meas) - min(meas)) / min(meas) * 100 if len(meas) > 1 and min(meas) > 0 else float("nan")
             ok = "met" if abs(mean_err) <= tol else "MISSED"
             lines.append(f"{r['experiment']:<5} {r['variant']:<6} {r['qps']:>6g} | {label:<7} "

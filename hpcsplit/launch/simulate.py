@@ -48,6 +48,7 @@ __all__ = ["SETTINGS", "TARGET_PCT", "Predicted", "Schedule", "SimulateSettings"
 VARIANTS = ("whole", "split")
 SATURATED = 0.9  # a measured level whose achieved rate is below this share of what its schedule offers is saturated
 RUN_REQUESTS = 2000  # a level is simulated ``runs`` times, or fewer once that many requests were simulated
+MAX_RECORD_BYTES = 1 << 20  # bench/bench.json is a few hundred bytes
 TARGET_PCT = {"p50_ms": 10.0, "p99_ms": 20.0, "qps": 10.0}  # the issue's: p50, p99 below saturation; throughput past it
 
 
@@ -216,23 +217,27 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
     """The run folder's bench of ``plan_path`` (its record and measured levels), or None (none, of another plan,
     or files that do not read as the bench writes them: said, and the config's levels simulated instead)."""
     try:
+        if paths.bench_record.stat().st_size > MAX_RECORD_BYTES:
+            raise ValueError(f"{paths.bench_record.stat().st_size} bytes")
         rec = json.loads(paths.bench_record.read_text())
         sha = hashlib.sha256(plan_path.read_bytes()).hexdigest()
         with open(paths.bench_summary, newline="") as fh:
             rows = list(csv.DictReader(fh))
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(rec, dict) or rec.get("plan_sha256") != sha or not rows:
         return None
     try:
-        for k in ("max_inflight", "min_requests", "seed"):
-            int(rec[k])
-        for k in ("max_wait_ms", "request_timeout_s", "duration_s"):
-            float(rec[k])
-        if not 0 <= float(rec.get("spin_us", 0.0)) <= 1e6:  # (a record before spin_us: the config's)
-            raise ValueError(f"spin_us {rec['spin_us']!r}")
-        if rec["arrival"] not in ARRIVALS or not [float(q) for q in rec["qps"]]:
-            raise ValueError(f"arrival {rec['arrival']!r}")
+        for k, lo, hi in (("max_inflight", 1, 1 << 30), ("min_requests", 1, 10**7), ("seed", -(1 << 62), 1 << 62)):
+            _within(rec[k], k, lo, hi, whole=True)
+        for key, low, high in (("max_wait_ms", 0.0, 3.6e6), ("request_timeout_s", 1e-9, 3.6e6),
+                               ("duration_s", 1e-9, 3.6e6), ("spin_us", 0.0, 1e6)):
+            if key in rec or key != "spin_us":  # (a record before spin_us: the config's)
+                _within(rec[key], key, low, high)
+        if rec["arrival"] not in ARRIVALS or not isinstance(rec["qps"], list) or not rec["qps"]:
+            raise ValueError(f"arrival {rec['arrival']!r}, qps {rec['qps']!r}")
+        for q in rec["qps"]:
+            _within(q, "qps", 1e-9, 1e9)
         for r in rows:
             for k in ("offered_qps", "achieved_qps", "p50_ms", "p99_ms", "success_rate"):
                 float(r[k])
@@ -242,6 +247,13 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
               "simulating the configured levels without a comparison", flush=True)
         return None
     return rec, rows
+
+
+def _within(v: Any, what: str, lo: float, hi: float, whole: bool = False) -> None:
+    """``v`` is a number in ``[lo, hi]`` (an integer when ``whole``), else ValueError."""
+    ok = isinstance(v, int) if whole else isinstance(v, int | float)
+    if isinstance(v, bool) or not ok or not lo <= v <= hi:  # (NaN is not in any range)
+        raise ValueError(f"{what} = {v!r}, needs {'an integer' if whole else 'a number'} in [{lo:g}, {hi:g}]")
 
 
 def schedule_of(cfg: Mapping[str, Any], s: SimulateSettings, rec: Mapping[str, Any] | None) -> Schedule:

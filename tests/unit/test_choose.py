@@ -166,6 +166,12 @@ def test_a_bench_of_another_plan_or_a_damaged_one_is_not_compared(tmp_path: Path
                     (False, {**rec, "arrival": "zipf"}), (False, {**rec, "spin_us": "x"}), (True, {**rec, "spin_us": 50.0})):
         paths.bench_record.write_text(json.dumps(r))
         assert (bench_record(paths, paths.own_plan) is not None) == good, r
+    for bad in ({**rec, "duration_s": float("nan")}, {**rec, "qps": [-2]}, {**rec, "min_requests": 10**12},
+                {**rec, "seed": 1.5}, {**rec, "max_inflight": True}):  # each would have stopped the stage raw
+        paths.bench_record.write_text(json.dumps(bad))
+        assert bench_record(paths, paths.own_plan) is None, bad
+    paths.bench_record.write_text('{"qps": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert bench_record(paths, paths.own_plan) is None
     paths.bench_record.write_text(json.dumps(rec))
     paths.bench_summary.write_text(row.replace("80", "fast"))
     assert bench_record(paths, paths.own_plan) is None

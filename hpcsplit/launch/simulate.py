@@ -283,9 +283,10 @@ def floor_scale(paths: RunPaths) -> dict[str, float] | None:
     try:
         r = json.loads(paths.rank_result("hpcsplit.runtime.stage:mpi_main").read_text())
         now, prof = r["critical_path_now_components_ms"], r["critical_path_components_ms"]
-        return {c: float(now[c]) / float(prof[c]) for c in now if c in prof and float(prof[c]) > 0}
-    except (OSError, ValueError, KeyError, TypeError):
+        out = {str(c): float(now[c]) / float(prof[c]) for c in now if c in prof and float(prof[c]) > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, ZeroDivisionError):
         return None
+    return out if all(0 < f < 1e6 for f in out.values()) else None  # (NaN, inf or 0: not a speed)
 
 
 def _profiles(paths: RunPaths) -> dict[str, ComponentProfile]:

@@ -189,3 +189,17 @@ def test_the_simulated_schedule_polls_after_work_as_the_bench_did() -> None:
            "request_timeout_s": 10.0, "max_inflight": 64, "max_wait_ms": 0.0}
     assert schedule_of({"runtime": {"spin_us": 0}}, s, rec).policy.spin_us == 0.0  # a record without it
     assert schedule_of({}, s, {**rec, "spin_us": 700.0}).policy.spin_us == 700.0
+
+
+def test_the_speed_a_bench_remeasured_is_read_as_untrusted(tmp_path: Path) -> None:
+    from hpcsplit.core.paths import RunPaths
+    from hpcsplit.launch.simulate import floor_scale
+
+    paths = RunPaths.from_config({}, tmp_path)
+    f = paths.rank_result("hpcsplit.runtime.stage:mpi_main")
+    f.parent.mkdir(parents=True, exist_ok=True)
+    for now, want in (({"a": 2.0}, {"a": 2.0}), ({"a": float("nan")}, None), ({"a": -1.0}, None)):
+        f.write_text(json.dumps({"critical_path_now_components_ms": now, "critical_path_components_ms": {"a": 1.0}}))
+        assert floor_scale(paths) == want
+    f.write_text("[" * 100_000)
+    assert floor_scale(paths) is None

@@ -26,6 +26,7 @@ import argparse
 import csv
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,8 +41,10 @@ from hpcsplit.core.calibration import Calibration
 from hpcsplit.core.load import arrival_times, summarize
 from hpcsplit.core.sim_model import SimGraph, build_system
 from hpcsplit.core.simulator import ServePolicy, simulate
+from hpcsplit.launch.proctree import JobTree
 from hpcsplit.launch.simulate import TARGET_PCT, err_pct
 
+STOP_GRACE_S = 30.0  # a stage past --timeout-s gets this long after SIGTERM, then SIGKILL
 EXPERIMENTS: dict[str, dict[str, Any]] = {
     # toy: components of microseconds (the runtime's own costs are everything); levels up to past saturation
     "toy": {"qps": [4, 32, 256, 2048, 6000, 12000], "min_requests": 200, "duration_s": 4.0,
@@ -53,13 +56,30 @@ EXPERIMENTS: dict[str, dict[str, Any]] = {
 
 
 def _run(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float) -> None:
+    """Run one stage; past ``timeout_s`` (or on Ctrl-C) its whole process tree is stopped: SIGTERM (the launcher
+    stops its MPI job), then SIGKILL to every process that was below it (``[Note: job process tree]``)."""
     print("  $ " + " ".join(cmd), flush=True)
     t0 = time.monotonic()
     with open(log, "w") as fh:
-        p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout_s, check=False)
-    if p.returncode != 0:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        tree = JobTree(proc.pid, lambda: proc.poll() is None)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+            tree.refresh()  # before the launcher exits and its children are re-parented
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=STOP_GRACE_S)
+            except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                pass
+            tree.kill(signal.SIGKILL)
+            proc.wait()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise SystemExit(f"command timed out after {timeout_s:g} s (--timeout-s) and was stopped; log {log}") from None
+    if rc != 0:
         tail = log.read_text()[-3000:]
-        raise SystemExit(f"command failed (exit {p.returncode}) after {time.monotonic() - t0:.0f} s; log {log}:\n{tail}")
+        raise SystemExit(f"command failed (exit {rc}) after {time.monotonic() - t0:.0f} s; log {log}:\n{tail}")
     print(f"    done in {time.monotonic() - t0:.0f} s (log {log})", flush=True)
 
 

@@ -16,8 +16,9 @@ its output, everything after it.  Inputs per stage:
   output: sha256 of the HDF5 file (only a *complete* profile counts as done; an incomplete one is
   resumed by the profiler itself);
 * analyze: profile hash; output: the analysis folder's table;
-* allocate: profile hash, ``allocate``, the cluster without its ``slurm`` block, the calibration file's sha256;
-  output: plan hash;
+* allocate: profile hash, ``allocate``, the cluster without its ``slurm`` block, the calibration file's sha256
+  (with ``allocate.rate_rps`` also ``runtime`` and the switchboard's hash: the choice simulates them); output:
+  plan hash;
 * bench: plan hash, switchboard hash, ``bench``, ``runtime``, launcher and cluster names.
 
 File names come from :class:`~hpcsplit.core.paths.RunPaths`.  Continuing a run folder: ``resume=RUN_DIR`` (rewritten to ``hydra.run.dir=RUN_DIR`` by
@@ -106,8 +107,11 @@ def _inputs(stage: str, cfg: dict[str, Any], out_sha: dict[str, str | None], p: 
         return {"profile": out_sha["profile"]}
     if stage == "allocate":  # the time-sharing pass and allocate.rate_rps read the calibration
         cluster.pop("slurm", None)
-        return {"profile": out_sha["profile"], "allocate": cfg.get("allocate"), "cluster": cluster,
-                "calibration": _sha_file(p.paths.calibration)}
+        out = {"profile": out_sha["profile"], "allocate": cfg.get("allocate"), "cluster": cluster,
+               "calibration": _sha_file(p.paths.calibration)}
+        if (cfg.get("allocate") or {}).get("rate_rps") is not None:  # it simulates the runtime's policy, dataflow
+            out.update(runtime=cfg.get("runtime"), switchboard=out_sha["export"])
+        return out
     return {
         "plan": out_sha["allocate"],
         "switchboard": out_sha["export"],

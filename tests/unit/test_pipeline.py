@@ -114,6 +114,20 @@ def test_a_change_reruns_that_stage_and_what_follows(tmp_path: Path, change: dic
     assert st.calls == expected
 
 
+def test_choosing_by_prediction_reruns_when_the_simulated_policy_changes(tmp_path: Path) -> None:
+    """``allocate.rate_rps`` simulates the runtime's window, batching and polling: changing them changes the choice."""
+    _run(tmp_path, FakeStages(), allocate__rate_rps=4.0)
+    st = FakeStages()
+    _run(tmp_path, st, allocate__rate_rps=4.0, runtime__max_inflight=8)
+    assert st.calls == ["allocate", "bench"]
+    st = FakeStages()
+    _run(tmp_path, st, runtime__max_inflight=16)  # (without a rate the plan does not depend on it)
+    assert st.calls == ["allocate", "bench"]  # rate_rps went away: allocate's inputs changed
+    st = FakeStages()
+    _run(tmp_path, st, runtime__max_inflight=32)
+    assert st.calls == ["bench"]
+
+
 def test_changed_outputs_on_disk_rerun_the_stage(tmp_path: Path) -> None:
     _run(tmp_path, FakeStages())
     (tmp_path / "plan.json").write_text("edited by hand")

@@ -59,7 +59,7 @@ class CalibrateSettings:
         Traceback (most recent call last):
         ...
         hpcsplit.errors.ConfigError: invalid calibrate settings:
-          - calibrate.gaps_ms = [3, 1]: needs a non-empty list of increasing numbers > 0
+          - calibrate.gaps_ms = [3, 1]: needs a non-empty list of increasing numbers in (0, 3.6e+06]
         """
         node = cfg.get("calibrate")
         values = {**group_defaults("calibrate"), **(node if isinstance(node, Mapping) else {})}
@@ -69,14 +69,14 @@ class CalibrateSettings:
             ranks=c.integer("ranks", lo=2, none=True),
             gaps_ms=_increasing(c, "gaps_ms"),
             chain_gaps_ms=_increasing(c, "chain_gaps_ms"),
-            samples=c.integer("samples", lo=3),
-            max_gap_time_s=c.number("max_gap_time_s", lo=0, lo_open=True),
-            sizes_bytes=tuple(int(x) for x in _increasing(c, "sizes_bytes", whole=True)),
-            saturation_requests=c.integer("saturation_requests", lo=10),
-            threads=None if threads is None else tuple(int(x) for x in _increasing(c, "threads", whole=True)),
+            samples=c.integer("samples", lo=3, hi=100_000),
+            max_gap_time_s=c.number("max_gap_time_s", lo=0, hi=3600, lo_open=True),
+            sizes_bytes=tuple(int(x) for x in _increasing(c, "sizes_bytes", whole=True, hi=1 << 30)),
+            saturation_requests=c.integer("saturation_requests", lo=10, hi=10**7),
+            threads=None if threads is None else tuple(int(x) for x in _increasing(c, "threads", whole=True, hi=1024)),
             programs=c.boolean("programs"),
             program_gaps_ms=_increasing(c, "program_gaps_ms"),
-            program_runs=c.integer("program_runs", lo=1),
+            program_runs=c.integer("program_runs", lo=1, hi=10_000),
         )
         c.done()
         return out
@@ -85,13 +85,16 @@ class CalibrateSettings:
 SETTINGS: dict[str, type | dict[str, type]] = {"calibrate": CalibrateSettings}
 
 
-def _increasing(c: Checker, key: str, whole: bool = False) -> tuple[float, ...]:
+def _increasing(c: Checker, key: str, whole: bool = False, hi: float = 3.6e6) -> tuple[float, ...]:
+    """A non-empty increasing list of numbers in (0, ``hi``] (integers when ``whole``); ms unless said."""
     v = c.get(key)
-    ok = (isinstance(v, list | tuple) and v and all(isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+    ok = (isinstance(v, list | tuple) and v and all(isinstance(x, int | float) and not isinstance(x, bool) and 0 < x <= hi
                                                     and (not whole or x == int(x)) for x in v)
           and all(b > a for a, b in itertools.pairwise(v)))
     if not ok:
-        c.problem(f"calibrate.{key} = {v!r}: needs a non-empty list of increasing {'integers' if whole else 'numbers'} > 0")
+        text = repr(v)
+        c.problem(f"calibrate.{key} = {text if len(text) < 80 else text[:77] + '...'}: needs a non-empty list of "
+                  f"increasing {'integers' if whole else 'numbers'} in (0, {int(hi) if whole else hi:g}]")
         return (1.0,)
     return tuple(float(x) for x in v)
 

@@ -164,3 +164,15 @@ def test_fit_recovers_the_figures_it_was_given(tmp_path: Path) -> None:
     assert cal.frontend_timer.at(99.0) == pytest.approx(0.1)
     load_calibration(cal.save(tmp_path / "c.json"))  # what it writes, every reader takes
     assert fit(_raw(2.0)).hop.at(10.0) > fit(_raw(0.5)).hop.at(10.0) + 1.4
+
+
+@pytest.mark.parametrize("over", [{"sizes_bytes": [float("inf")]}, {"sizes_bytes": [2**2000]},
+                                  {"gaps_ms": [float("inf")]}, {"max_gap_time_s": float("inf")},
+                                  {"threads": [0]}, {"samples": 10**9}])
+def test_calibrate_settings_refuse_infinite_and_huge_values(over: dict) -> None:
+    """Each would have raised OverflowError or made a step wait (or loop) for ever."""
+    from hpcsplit.errors import ConfigError
+    from hpcsplit.launch.calibrate import CalibrateSettings
+
+    with pytest.raises(ConfigError, match=f"calibrate.{next(iter(over))} = "):
+        CalibrateSettings.from_config({"calibrate": over})

@@ -139,7 +139,7 @@ class Checker:
         if v is None and none:
             return None
         need = _range_text("a number", lo, hi, lo_open) + (" or null" if none else "")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not _finite(v):
             self._bad(key, v, need)
             return float(lo if lo is not None else 0.0)
         if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
@@ -153,7 +153,7 @@ class Checker:
         if v is None and none:
             return None
         need = _range_text("an integer", lo, hi, False) + (" or null" if none else "")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or int(v) != v:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not _finite(v) or int(v) != v:
             self._bad(key, v, need)
             return int(lo if lo is not None else 0)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -196,6 +196,11 @@ class Checker:
         """Raise one :class:`ConfigError` listing every problem found, if any."""
         if self.problems:
             raise ConfigError(f"invalid {self.group} settings:\n  - " + "\n  - ".join(self.problems))
+
+
+def _finite(v: float) -> bool:
+    """A finite number that a float can hold (``math.isfinite`` raises OverflowError on a larger integer)."""
+    return abs(v) <= 1.7e308 if isinstance(v, int) else math.isfinite(v)
 
 
 def _range_text(what: str, lo: float | None, hi: float | None, lo_open: bool) -> str:

@@ -76,8 +76,8 @@ class SimulateSettings:
         qps = None
         if q is not None:
             items = q if isinstance(q, list | tuple) else [q]
-            if not items or any(isinstance(x, bool) or not isinstance(x, int | float) or not x > 0 for x in items):
-                c.problem(f"simulate.qps = {q!r}: needs a non-empty list of numbers > 0, or null")
+            if not items or any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x <= 1e9 for x in items):
+                c.problem(f"simulate.qps = {q!r}: needs a non-empty list of numbers in (0, 1e9], or null")
             else:
                 qps = tuple(float(x) for x in items)
         out = cls(qps=qps, arrivals=_names(c, "arrivals", ARRIVALS), variants=_names(c, "variants", VARIANTS),

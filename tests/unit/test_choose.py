@@ -203,3 +203,15 @@ def test_the_speed_a_bench_remeasured_is_read_as_untrusted(tmp_path: Path) -> No
         assert floor_scale(paths) == want
     f.write_text("[" * 100_000)
     assert floor_scale(paths) is None
+
+
+def test_settings_refuse_infinite_rates_and_integers_past_a_float() -> None:
+    """An infinite offered load, or an integer too large for a float, is a ConfigError (it raised OverflowError)."""
+    from hpcsplit.launch.simulate import SimulateSettings
+
+    with pytest.raises(ConfigError, match=r"simulate.qps = \[inf\]"):
+        SimulateSettings.from_config({"simulate": {"qps": [float("inf")]}})
+    with pytest.raises(ConfigError, match="simulate.runs = 1000"):
+        SimulateSettings.from_config({"simulate": {"runs": 10**400}})
+    with pytest.raises(ConfigError, match="allocate.rate_rps = 1000"):
+        AllocateSettings.defaults(rate_rps=10**400, slo_ms=10.0)

@@ -119,10 +119,6 @@ class Link:
     sizes_bytes: tuple[int, ...] = ()  # the measured points (what the fit came from)
     one_way_ms: tuple[float, ...] = ()
 
-    def transfer_ms(self, nbytes: float) -> float:
-        """Time on the wire of ``nbytes`` beyond the small-message latency."""
-        return nbytes / (self.gb_s * 1e6)
-
     def to_json(self) -> dict[str, Any]:
         return {"latency_ms": self.latency_ms, "gb_s": self.gb_s, "sizes_bytes": list(self.sizes_bytes),
                 "one_way_ms": list(self.one_way_ms)}

@@ -47,7 +47,6 @@ class ServePolicy:
         return out
 
 
-
 class ReplicaRouter:
     """Join-shortest-queue routing over the replicas of each component (``runtime.routing.Router`` is this).
 

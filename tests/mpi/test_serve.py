@@ -243,6 +243,8 @@ def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> N
     rows = (bench / "summary.csv").read_text().splitlines()
     assert rows[0].startswith("variant,offered_qps") and len(rows) == 5  # header + 2 variants x 2 levels
     assert (bench / "latency_vs_qps.png").stat().st_size > 0 and (bench / "throughput_vs_qps.png").exists()
+    record = json.loads((bench / "bench.json").read_text())  # what stage=simulate replays: schedule and policy
+    assert record["qps"] == [10, 40] and record["spin_us"] == 50.0  # bench mode: mailbox.SPIN_S
     import h5py
 
     with h5py.File(bench / "requests.h5") as f:

@@ -124,14 +124,16 @@ def experiment(name: str, out: Path, args: argparse.Namespace, env: dict[str, st
 
 
 def _merge(name: str, benches: list[list[dict[str, str]]]) -> list[dict[str, Any]]:
-    """Per (variant, level): every bench's measured figures and the prediction of the first bench's schedule."""
+    """Per (variant, level): every bench's measured figures and the prediction of the first bench's schedule (a level
+    another bench lacks, one it stopped before, is left out of that bench's figures)."""
+    keyed = [{(r["variant"], float(r["offered_qps"])): r for r in b} for b in benches]
     rows = []
-    for i, r in enumerate(benches[0]):
-        row: dict[str, Any] = {"experiment": name, "variant": r["variant"], "qps": float(r["offered_qps"]),
-                               "saturated": r["saturated"] == "True"}
+    for r in benches[0]:
+        key = (r["variant"], float(r["offered_qps"]))
+        row: dict[str, Any] = {"experiment": name, "variant": key[0], "qps": key[1], "saturated": r["saturated"] == "True"}
         for f in ("p50_ms", "p99_ms", "qps"):
             row[f"pred_{f}"] = float(r[f"predicted_{f}"])
-            row[f"meas_{f}"] = [float(b[i][f"measured_{f}"]) for b in benches]
+            row[f"meas_{f}"] = [float(b[key][f"measured_{f}"]) for b in keyed if key in b]
         rows.append(row)
     return rows
 

@@ -42,3 +42,15 @@ def test_a_stage_past_its_timeout_is_stopped_with_every_process_below_it(tmp_pat
     else:
         os.kill(grandchild, 9)
         pytest.fail(f"process {grandchild}, in a session of its own below the stage, outlived it")
+
+
+def test_benches_are_merged_by_level_not_by_row() -> None:
+    def row(variant: str, qps: float, p50: float) -> dict[str, str]:
+        return {"variant": variant, "offered_qps": str(qps), "saturated": "False", "predicted_p50_ms": "1.0",
+                "predicted_p99_ms": "2.0", "predicted_qps": str(qps), "measured_p50_ms": str(p50),
+                "measured_p99_ms": "2.0", "measured_qps": str(qps)}
+
+    first = [row("whole", 4, 1.1), row("split", 4, 1.2), row("split", 32, 1.3)]
+    second = [row("split", 4, 2.2), row("whole", 4, 2.1)]  # another order, and a level it did not reach
+    rows = bench_simulate._merge("toy", [first, second])
+    assert [r["meas_p50_ms"] for r in rows] == [[1.1, 2.1], [1.2, 2.2], [1.3]]

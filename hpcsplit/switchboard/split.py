@@ -30,7 +30,7 @@ from hpcsplit.errors import PartitionError
 from hpcsplit.switchboard.graph import ComputeGraph, live_data_nodes
 from hpcsplit.switchboard.regions import Component
 
-__all__ = ["Piece", "SplitResult", "export_piece", "run_pieces", "split_graph"]
+__all__ = ["Piece", "SplitResult", "export_piece", "functional", "run_pieces", "split_graph"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +244,18 @@ def run_pieces(
     return env
 
 
+def functional(ep: Any) -> Any:
+    """``ep`` in torch.export's functional IR: in-place and ``out=`` operators (``x += y``, ``relu_``,
+    ``masked_fill_``) become their out-of-place forms, nothing is decomposed.  Loading refuses operators that
+    write into their arguments ([Note: ATen allowlist] in :mod:`hpcsplit.switchboard.archive`); torch.export
+    keeps them since torch 2.5, so ``ep`` comes back unchanged only when it has none."""
+    if not any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in ep.graph.nodes):
+        return ep
+    with torch.no_grad():
+        return ep.run_decompositions({})
+
+
 def export_piece(piece: Piece, example_inputs: Sequence[torch.Tensor], *, dynamic_batch: bool = True) -> Any:
     """``torch.export`` one piece with ``Dim("batch")`` on its batch dims."""
     dyn: Any = None
@@ -252,7 +264,8 @@ def export_piece(piece: Piece, example_inputs: Sequence[torch.Tensor], *, dynami
         dyn = tuple({k: b for k in dims} or None for dims in piece.batch_dims)
     try:
         with torch.no_grad():
-            return torch.export.export(piece.module, tuple(example_inputs), dynamic_shapes=dyn, strict=False)
+            return functional(torch.export.export(piece.module, tuple(example_inputs), dynamic_shapes=dyn,
+                                                  strict=False))
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise PartitionError(

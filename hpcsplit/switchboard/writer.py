@@ -26,7 +26,7 @@ from hpcsplit.switchboard.graph import ComputeGraph, capture, dataflow_graph, me
 from hpcsplit.switchboard.picture import write_picture
 from hpcsplit.switchboard.reader import Switchboard
 from hpcsplit.switchboard.regions import RuntimeCost, decide
-from hpcsplit.switchboard.split import export_piece, run_pieces, split_graph
+from hpcsplit.switchboard.split import export_piece, functional, run_pieces, split_graph
 from hpcsplit.switchboard.verify import compare_outputs
 
 DEFAULT_ATOL = L.DEFAULT_ATOL
@@ -220,7 +220,7 @@ def export(
                 )
             )
         lap("cut_and_export_components")
-        _save_program(cg.exported, tmp / "programs" / "whole.pt2")
+        _save_program(functional(cg.exported), tmp / "programs" / "whole.pt2")
         whole = _ref(tmp, "programs/whole.pt2")
         golden = _write_golden(tmp / _GOLDEN, cg, split, env, ref_flat, comp_specs)
         layout = L.Layout(

@@ -93,3 +93,34 @@ def test_a_generate_loop_is_refused(tmp_path: Path) -> None:
     msg = _refused(Generate(), torch.randint(4, 60, (2, 5)), tmp_path)
     assert "forward runs a generate loop" in msg and "generation/utils.py" in msg
     assert "export one forward step instead" in msg and "run the decoding loop outside hpcsplit" in msg
+
+
+class InPlaceInside(nn.Module):
+    """In-place operators on the forward's own intermediates (ResNet's ``out += identity``, ``ReLU(inplace=True)``,
+    ``masked_fill_`` on a fresh mask) are no effect outside the program: they export, in functional form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.a(x))
+        y += x
+        z = self.b(y).masked_fill_(y < 0.1, 0.0)
+        return z
+
+
+def test_in_place_operators_on_intermediates_export_in_functional_form(tmp_path: Path) -> None:
+    from hpcsplit.switchboard.archive import aten_refusal
+
+    model, x = InPlaceInside().eval(), torch.randn(3, 8)
+    raw = torch.export.export(model, (x,), strict=False)
+    assert any(aten_refusal(f"torch.ops.{n.target}") for n in raw.graph.nodes if n.op == "call_function")
+    sb = hpcsplit.export(model, (x,), out=tmp_path / "sb", timing_repeats=1, stages=2, cost="flops")
+    with torch.no_grad():
+        want = model(x.clone())
+    # every component's program and the whole model's load past the allowlist (which refused them before)
+    torch.testing.assert_close(sb.load_whole()(x)[0], want)
+    torch.testing.assert_close(sb.run_flat([x])[0], want)
+    assert len(sb.order) >= 1

@@ -30,7 +30,7 @@ from typing import Any
 
 from hpcsplit.errors import PlanError
 
-__all__ = ["PLAN_SCHEMA_VERSION", "Plan", "RankEntry", "device_key"]
+__all__ = ["PLAN_SCHEMA_VERSION", "Plan", "RankEntry", "device_key", "strict_json"]
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -130,6 +130,18 @@ MAX_THREADS = 1024
 MAX_BATCH = 1 << 20
 MAX_SLICE_GB = 1 << 16
 MAX_PLAN_BYTES = 64 << 20
+
+
+def strict_json(v: Any) -> Any:
+    """``v`` with every non-finite float (a simulated p99 of a candidate that answered nothing) as None: what
+    ``json.dumps`` writes of it is then strict JSON (no ``Infinity``/``NaN``, which other readers refuse)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: strict_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [strict_json(x) for x in v]
+    return v
 
 
 def _short(v: Any) -> str:
@@ -344,7 +356,7 @@ class Plan:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.write_text(json.dumps(strict_json(self.to_dict()), indent=2, allow_nan=False) + "\n")
         tmp.replace(path)
         return path
 

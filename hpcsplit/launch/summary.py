@@ -119,9 +119,16 @@ def _plan(path: Path) -> list[str]:
         for r in choice["candidates"]:
             if isinstance(r, Mapping) and "within_slo" in r:
                 out.append(f"| {r.get('candidate')}{' (chosen)' if r.get('chosen') else ''} | {r.get('devices')} | "
-                           f"{r.get('ranks')} | {float(r['within_slo']):.1%} | {float(r['goodput_rps']):.2f} | "
-                           f"{float(r['p50_ms']):.2f} | {float(r['p99_ms']):.2f} |")
+                           f"{r.get('ranks')} | {_fig(r.get('within_slo'), '.1%')} | "
+                           f"{_fig(r.get('goodput_rps'), '.2f')} | {_fig(r.get('p50_ms'), '.2f')} | "
+                           f"{_fig(r.get('p99_ms'), '.2f')} |")
     return out
+
+
+def _fig(v: Any, fmt: str) -> str:
+    """A figure of the plan file (written by someone else): a number in ``fmt``; "-" where the simulation had none
+    (a p50 of a candidate that answered nothing is null in the plan, :func:`hpcsplit.core.plan.strict_json`)."""
+    return format(float(v), fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
 def _bench(result: Mapping[str, Any] | None, paths: RunPaths) -> list[str]:

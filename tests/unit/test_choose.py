@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,22 @@ def test_settings_refuse_infinite_rates_and_integers_past_a_float() -> None:
         SimulateSettings.from_config({"simulate": {"runs": 10**400}})
     with pytest.raises(ConfigError, match="allocate.rate_rps = 1000"):
         AllocateSettings.defaults(rate_rps=10**400, slo_ms=10.0)
+
+
+def test_a_candidate_that_answered_nothing_is_strict_json_in_the_plan_and_summary(tmp_path: Path) -> None:
+    from hpcsplit.launch.summary import _plan
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
+    rows = c.plan.meta["choice"]["candidates"]
+    rows[-1].update(p50_ms=math.inf, p99_ms=math.inf, note=[math.nan, 1.0])  # what _simulated gives when none did
+    path = c.plan.save(tmp_path / "plan.json")
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in the plan file")
+
+    saved = json.loads(path.read_text(), parse_constant=refuse)
+    last = saved["meta"]["choice"]["candidates"][-1]
+    assert last["p50_ms"] is None and last["p99_ms"] is None and last["note"] == [None, 1.0]
+    table = "\n".join(_plan(path))
+    assert f"| {last['candidate']}" in table and "| - | - |" in table

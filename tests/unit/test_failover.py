@@ -70,3 +70,30 @@ def test_samples_on_a_lost_replica_are_sent_again_once_then_failed() -> None:
     assert [j for j, _ in sl.dropped] == [a] and "two replicas it was routed to were lost" in sl.dropped[0][1]
     assert sl.pending == [] and 100 not in sl.row_job and 1 not in sl.row_job  # the whole request failed
     assert sl.jobs == {2: b} and 2 in sl.inflight  # the request on replica 3 goes on
+
+
+def test_a_request_failed_when_lost_twice_leaves_no_row_waiting_for_admission() -> None:
+    """A request of two samples: one is re-sent and lost again while the other still waits for admission
+    (the pipeline window was full); the request fails, and none of its rows stays pending (admitting one
+    would look up a job that is gone)."""
+    fo, fe = _failover((1, 2, 3))
+    sl = _Loop()
+    a = sl.add([0], [(1,)])
+    a.rows.append(1)  # its second sample, not admitted yet
+    sl.row_job[1] = (a, 1)
+    sl.pending.append(1)
+    b = sl.add([2], [(3,)])
+    for route in ((1,), (3,)):
+        fe.router.outstanding[route[0]] += 1
+    fe.router.drop(1)
+    fo.lost[1] = "rank 1: its process ended"
+    fo._reroute(sl, {1})
+    assert sl.pending == [100, 1] and a.rows == [0, 1, 100]
+    sl.pending.remove(100)
+    sl.inflight[100] = [(2,), [None], 1, 0]  # admitted on replica 2, which is lost too
+    fe.router.drop(2)
+    fo.lost[2] = "rank 2: it sent nothing for 2.1 s"
+    fo._reroute(sl, {2})
+    assert [j for j, _ in sl.dropped] == [a]
+    assert sl.pending == []  # row 1 went with its request
+    assert sl.jobs == {2: b}

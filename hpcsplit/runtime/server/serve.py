@@ -148,6 +148,9 @@ class ServeLoop:
                 for i in range(len(self.df.inputs))]
 
     def _drop(self, job: _Job, err: RequestRejected, outcome: str) -> None:
+        if self.pending:  # its rows not admitted yet (a sample re-sent, or a request of many rows) go too
+            gone = set(job.rows)
+            self.pending = [r for r in self.pending if r not in gone]
         for r in job.rows:
             rec = self.inflight.pop(r, None)
             if rec is not None:
@@ -279,8 +282,6 @@ class ServeLoop:
                     break
             for job in expired:
                 worked = True
-                gone = set(job.rows)
-                self.pending = [r for r in self.pending if r not in gone]
                 self._drop(job, self._late(job.ticket.req.id or job.rows[0]), "timeout")
             q = hub.queue  # requests still waiting for room in the pipeline (oldest first)
             while q and now - q[0].t_arrival > self.timeout_s:

@@ -14,12 +14,16 @@ pytest.importorskip("torch")
 
 from hpcsplit.runtime.routing import Router
 from hpcsplit.runtime.server.failover import Failover
+from hpcsplit.runtime.server.serve import ServeLoop
 
 
 class _Loop:
-    """The parts of a ServeLoop that the failover touches: its rows in flight, their jobs, the pending rows."""
+    """The parts of a ServeLoop that the failover touches: its rows in flight, their jobs, the pending rows;
+    a request is dropped by ServeLoop's own ``_drop``."""
 
-    def __init__(self) -> None:
+    def __init__(self, fe: Any) -> None:
+        self.fe, self.counts = fe, {"failed": 0}
+        self.hub = NS(fail=lambda ticket, err, outcome: None)
         self.inflight: dict[int, list[Any]] = {}
         self.row_job: dict[int, tuple[Any, int]] = {}
         self.jobs: dict[int, Any] = {}
@@ -35,10 +39,7 @@ class _Loop:
         return job
 
     def _drop(self, job: Any, err: Any, outcome: str) -> None:
-        for r in job.rows:
-            self.inflight.pop(r, None)
-            self.row_job.pop(r, None)
-        self.jobs.pop(job.rows[0], None)
+        ServeLoop._drop(self, job, err, outcome)  # type: ignore[arg-type]
         self.dropped.append((job, str(err)))
 
 
@@ -51,7 +52,7 @@ def _failover(replicas: tuple[int, ...]) -> tuple[Failover, Any]:
 
 def test_samples_on_a_lost_replica_are_sent_again_once_then_failed() -> None:
     fo, fe = _failover((1, 2, 3))
-    sl = _Loop()
+    sl = _Loop(fe)
     a = sl.add([0, 1], [(1,), (2,)])  # one sample on each of replicas 1 and 2
     b = sl.add([2], [(3,)])
     for route in ((1,), (2,), (3,)):
@@ -77,7 +78,7 @@ def test_a_request_failed_when_lost_twice_leaves_no_row_waiting_for_admission() 
     (the pipeline window was full); the request fails, and none of its rows stays pending (admitting one
     would look up a job that is gone)."""
     fo, fe = _failover((1, 2, 3))
-    sl = _Loop()
+    sl = _Loop(fe)
     a = sl.add([0], [(1,)])
     a.rows.append(1)  # its second sample, not admitted yet
     sl.row_job[1] = (a, 1)

@@ -222,8 +222,6 @@ class Failover:
             self._resends.add(new)
             again.append(new)
         again = [r for r in again if r in sl.row_job]  # (not those of a request failed after them)
-        if failed:  # a failed request's rows still waiting for admission go with it
-            sl.pending = [r for r in sl.pending if r in sl.row_job]
         self._resends.difference_update(r for r in list(self._resends) if r not in sl.row_job)
         sl.pending[:0] = again  # admitted first in the next pass, on live routes
         self.resent += len(again)

@@ -248,12 +248,32 @@ def functional(ep: Any) -> Any:
     """``ep`` in torch.export's functional IR: in-place and ``out=`` operators (``x += y``, ``relu_``,
     ``masked_fill_``) become their out-of-place forms, nothing is decomposed.  Loading refuses operators that
     write into their arguments ([Note: ATen allowlist] in :mod:`hpcsplit.switchboard.archive`); torch.export
-    keeps them since torch 2.5, so ``ep`` comes back unchanged only when it has none."""
+    keeps them since torch 2.5, so ``ep`` comes back unchanged only when it has none.
+
+    [Note: views after functionalization]
+    ``run_decompositions`` retraces the program with fake tensors, and there ``reshape`` and ``contiguous``
+    (which may alias, so torch cannot keep them) are decided by the fake tensors' strides: a copy, or a
+    ``view`` where the fake tensor looks contiguous.  Those strides are not always the ones the kernels give
+    at run time: the fake ``scaled_dot_product_attention`` returns the fused kernels' layout, so T5's
+    ``attn.transpose(1, 2).contiguous().view(...)`` lost its copy and its ``view`` raised on the CPU
+    kernel's output.  In a functional program nothing writes into a tensor, so whether a value aliases
+    another cannot change a result: every ``view`` becomes ``reshape``, which is a view where the strides
+    allow one and a copy where they do not."""
     if not any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                for n in ep.graph.nodes):
         return ep
     with torch.no_grad():
-        return ep.run_decompositions({})
+        ep = ep.run_decompositions({})
+    aten = torch.ops.aten
+    views = {aten.view.default, aten._unsafe_view.default}
+    changed = False
+    for n in ep.graph_module.graph.nodes:
+        if n.op == "call_function" and n.target in views:
+            n.target = aten.reshape.default
+            changed = True
+    if changed:
+        ep.graph_module.recompile()
+    return ep
 
 
 def export_piece(piece: Piece, example_inputs: Sequence[torch.Tensor], *, dynamic_batch: bool = True) -> Any:

@@ -124,3 +124,35 @@ def test_in_place_operators_on_intermediates_export_in_functional_form(tmp_path:
     torch.testing.assert_close(sb.load_whole()(x)[0], want)
     torch.testing.assert_close(sb.run_flat([x])[0], want)
     assert len(sb.order) >= 1
+
+
+
+class AttentionThenView(nn.Module):
+    """T5's attention: a float mask (its position bias) into ``scaled_dot_product_attention``, then
+    ``.transpose(1, 2).contiguous().view(...)``, with an in-place ``+=`` so that the export goes through
+    functionalization ([Note: views after functionalization]: the copy was lost and the view raised)."""
+
+    def __init__(self, d: int = 32, heads: int = 2, t: int = 16) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.bias = nn.Parameter(torch.randn(1, heads, t, t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        mask = self.bias.expand(b, -1, -1, -1).clone()
+        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = self.out(a.transpose(1, 2).contiguous().view(b, t, d))
+        y += x
+        return y
+
+
+def test_a_view_of_an_attention_output_runs_after_functionalization(tmp_path: Path) -> None:
+    model, x = AttentionThenView().eval(), torch.randn(2, 16, 32)
+    sb = hpcsplit.export(model, (x,), out=tmp_path / "sb", timing_repeats=1)
+    for b in (2, 6):
+        xb = torch.randn(b, 16, 32)
+        with torch.no_grad():
+            want = model(xb)
+        torch.testing.assert_close(sb.load_whole()(xb)[0], want)
+        torch.testing.assert_close(sb.run_flat([xb])[0], want)

@@ -14,6 +14,10 @@ documents) and says so (``source == "defaults"``).
   the same at the 90th percentile (the simulator's jitter);
 - ``frontend_timer``: from a request's arrival to its admission, for a frontend asleep ``gap`` ms;
 - ``compute_cold``: extra compute of a small program run after ``gap`` ms idle (against back to back);
+- ``idle_cpu`` (optional; zero when absent): CPU ms a rank spends while idle ``gap`` ms between two
+  messages, its spin after work included: the runtime's backoff wakes it to poll (20 us doubling, then the
+  doorbell), and each wake-up costs a context switch and a poll; on a node whose cores are shared these
+  take time from the ranks that compute (``[Note: idle CPU]`` in :mod:`hpcsplit.core.simulator`);
 - ``same_node`` / ``cross_node`` (:class:`Link`): one-way latency of a small message between two busy
   ranks and bandwidth, from the runtime's transport at several sizes (``cross_node`` null on one node);
   ``cross_extra``: what a hop to an idle rank on another node adds to the same-node ``hop`` (a UDP ring);
@@ -163,6 +167,7 @@ class Calibration:
     switchboard_sha256: str | None = None  # whose programs ``programs`` holds
     programs: dict[str, ProgramCal] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    idle_cpu: Curve = field(default_factory=lambda: Curve.constant(0.0))  # CPU ms of an idle gap, its spin included
 
     # ------------------------------------------------------------------ the readers' figures
     @classmethod
@@ -247,6 +252,7 @@ class Calibration:
             "hop_p90": self.hop_p90.to_json(),
             "frontend_timer": self.frontend_timer.to_json(),
             "compute_cold": self.compute_cold.to_json(),
+            "idle_cpu": self.idle_cpu.to_json(),
             "same_node": self.same_node.to_json(),
             "cross_node": None if self.cross_node is None else self.cross_node.to_json(),
             "cross_extra": self.cross_extra.to_json(),
@@ -337,7 +343,7 @@ def parse_calibration(data: bytes, path: Path) -> Calibration:
     if ver != CALIBRATION_SCHEMA_VERSION:
         raise CalibrationError(f"{path}: found schema_version={ver!r}; this hpcsplit reads version "
                                f"{CALIBRATION_SCHEMA_VERSION}; {redo} with this hpcsplit")
-    r = _Reader(path, absent=[k for k in _Reader.KEYS if k not in d])
+    r = _Reader(path, absent=[k for k in _Reader.KEYS if k not in d and k not in _Reader.OPTIONAL])
     cal = r.calibration(d)
     r.done(redo)
     assert cal is not None
@@ -349,7 +355,8 @@ class _Reader:
 
     KEYS = ("format", "schema_version", "source", "created_utc", "hpcsplit_version", "cluster", "hosts", "nodes",
             "cores_per_node", "device_kind", "hop", "hop_p90", "frontend_timer", "compute_cold", "same_node",
-            "cross_node", "cross_extra", "cpu", "compute", "programs", "notes")
+            "cross_node", "cross_extra", "cpu", "compute", "programs", "notes", "idle_cpu")
+    OPTIONAL = ("idle_cpu",)  # added within schema version 1: files written before it have none (zero then)
 
     def __init__(self, path: Path, absent: Sequence[str] = ()) -> None:
         self.path = path
@@ -365,12 +372,12 @@ class _Reader:
         text = repr(v)
         self.problems.append(f"{what} = {text if len(text) < 80 else text[:77] + '...'}: needs {need}")
 
-    def keys(self, d: Any, what: str, keys: Sequence[str]) -> Mapping[str, Any]:
+    def keys(self, d: Any, what: str, keys: Sequence[str], optional: Sequence[str] = ()) -> Mapping[str, Any]:
         if not isinstance(d, Mapping):
             if what not in self.absent:  # a missing top-level key is reported once, above (null is wrong here)
                 self.bad(what, d, "an object")
             return {}
-        missing = [k for k in keys if k not in d]
+        missing = [k for k in keys if k not in d and k not in optional]
         extra = [str(k) for k in d if k not in keys]
         if missing:
             self.problems.append(f"{what}: missing keys {missing}")
@@ -427,7 +434,7 @@ class _Reader:
                     tuple(self.num(x, f"{what}.one_way_ms[{i}]") for i, x in enumerate(ms)))
 
     def calibration(self, d: Mapping[str, Any]) -> Calibration | None:
-        d = self.keys(d, "calibration", self.KEYS)
+        d = self.keys(d, "calibration", self.KEYS, optional=self.OPTIONAL)
         source = d.get("source")
         if source not in ("measured", "defaults"):
             self.bad("source", source, "'measured' or 'defaults'")
@@ -503,5 +510,6 @@ class _Reader:
             switchboard_sha256=sha or None,
             programs=progs,
             notes=tuple(self.text(n, f"notes[{i}]", 2000) for i, n in enumerate(notes)),
+            idle_cpu=self.curve(d["idle_cpu"], "idle_cpu") if "idle_cpu" in d else Curve.constant(0.0),
         )
         return cal

@@ -31,7 +31,19 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   waiting batch's ``max_wait_ms``): whichever of the ring and the timer comes first ends it;
 - **time-shared CPU** (CPU plans): every turn is work on its node's cores; when the busy and polling ranks'
   threads exceed the cores each runs at ``cores / threads`` of its speed (processor sharing), and ``k`` ranks
-  computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth).
+  computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth); a rank backing off after its
+  spin takes the share of a core its wake-ups cost (``[Note: idle CPU]``).
+
+[Note: idle CPU]
+A rank idle between messages is not free: after its spin the runtime's backoff (``mailbox.Backoff``) sleeps
+20 us, 40, 80, ... and each wake-up is a context switch, a poll of MPI and a turn of the Python loop, some
+10-20 us of CPU on the development VM, until the doorbell's long sleep.  ``calibration.idle_cpu`` is the CPU a
+rank spends over an idle gap (measured in the ping-pong: the replica's CPU per request at each gap, less back
+to back).  On a node whose cores are shared, a rank in its backoff counts as a fraction of a thread: over
+each span between the curve's points after the spin, the CPU the curve adds there divided by the span's
+length (at most one core).  At 2,048 req/s through the toy's seven ranks on two cores these wake-ups took
+about as much CPU as the spins and the compute together (the machine ran 95 % busy where the spins and the
+compute alone fill about half of it), and the latency the simulator missed was the queueing for the cores.
 
 The batching rule is checked against the runtime's code on the same trace (``tests/unit/test_simulator.py``
 replays every turn through ``runtime.batching.Batcher``).  Deterministic: the same system, schedule and seed give the same result.
@@ -40,6 +52,7 @@ replays every turn through ``runtime.batching.Batcher``).  Deterministic: the sa
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,7 +70,7 @@ STATUS_PENDING = 0
 STATUS_OK = 1  # as runtime.frontend.STATUS_OK
 STATUS_TIMEOUT = 2
 
-_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE = 0, 1, 2, 3, 4, 5
+_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE, _IDLEW = 0, 1, 2, 3, 4, 5, 6
 _IDLE, _SCHEDULED, _BUSY, _SPINNING = 0, 1, 2, 3  # a rank's states
 _OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
 
@@ -195,6 +208,9 @@ class _Sim:
         self.cores = list(s.node_cores) if self.shared else [math.inf] * nodes
         self.jobs: list[dict[int, list[float]]] = [{} for _ in range(nodes)]  # rank -> [work left, threads]
         self.spinners = [0] * nodes  # ranks polling after work: they take their share of the cores
+        self.idle_w = [0.0] * nodes  # the cores' share the backing-off ranks take (``[Note: idle CPU]``)
+        self.iw = [0.0] * n  # this rank's share of it now
+        self.iv = [0] * n  # idle versions (work ends a rank's backoff)
         self.spin_s = s.policy.spin_us / 1e6
         self.rate = [1.0] * nodes
         self.t_node = [0.0] * nodes
@@ -221,6 +237,21 @@ class _Sim:
         self._cross = cal.cross_extra
         self._fe_cold = cal.compute_cold
         self.due_armed = False  # a _DUE event (the oldest request's deadline) is in the heap
+        self.idle_seg = self._idle_segments(cal, self.spin_s) if self.shared else ()
+
+    @staticmethod
+    def _idle_segments(cal: Calibration, spin_s: float) -> tuple[tuple[float, float], ...]:
+        """(seconds, share of a core) spans of a rank's backoff after its spin (``[Note: idle CPU]``)."""
+        c = cal.idle_cpu
+        spin_ms = spin_s * 1e3
+        points = [spin_ms, *(g for g in c.gaps_ms if g > spin_ms)]
+        out = []
+        for a, b in itertools.pairwise(points):
+            w = min(1.0, max(0.0, c.at(b) - c.at(a)) / (b - a))
+            out.append(((b - a) / 1e3, w))
+        while out and out[-1][1] <= 0.0:
+            out.pop()
+        return tuple(out)
 
     # ------------------------------------------------------------------ events and costs
     def push(self, t: float, kind: int, r: int, payload: Any = None) -> None:
@@ -251,7 +282,7 @@ class _Sim:
         jobs = self.jobs[node]
         if not jobs:
             return
-        threads = sum(j[1] for j in jobs.values()) + self.spinners[node]
+        threads = sum(j[1] for j in jobs.values()) + self.spinners[node] + self.idle_w[node]
         rate = min(1.0, self.cores[node] / threads) / self.cal.corun(len(jobs))
         self.rate[node] = rate
         for r, j in jobs.items():
@@ -294,6 +325,8 @@ class _Sim:
         self.last[r] = now
         if self.spin_s <= 0:
             self.state[r] = _IDLE
+            if self.idle_seg:
+                self.backoff(r, now)
             return
         self.state[r] = _SPINNING
         self.sv[r] += 1
@@ -302,6 +335,30 @@ class _Sim:
             node = self.node[r]
             self._advance(node, now)
             self.spinners[node] += 1
+            self._reschedule(node, now)
+
+    def backoff(self, r: int, now: float, k: int = 0) -> None:
+        """Span ``k`` of rank ``r``'s backoff begins: it takes that span's share of a core (``[Note: idle CPU]``)."""
+        w = self.idle_seg[k][1] if k < len(self.idle_seg) else 0.0
+        if w == self.iw[r] and k:
+            self.push(now + self.idle_seg[k][0], _IDLEW, r, (self.iv[r], k + 1))
+            return
+        node = self.node[r]
+        self._advance(node, now)
+        self.idle_w[node] += w - self.iw[r]
+        self.iw[r] = w
+        self._reschedule(node, now)
+        if k < len(self.idle_seg):
+            self.push(now + self.idle_seg[k][0], _IDLEW, r, (self.iv[r], k + 1))
+
+    def wake(self, r: int, now: float) -> None:
+        """The rank's turn runs: its backoff (if any) ends."""
+        self.iv[r] += 1
+        if self.iw[r]:
+            node = self.node[r]
+            self._advance(node, now)
+            self.idle_w[node] -= self.iw[r]
+            self.iw[r] = 0.0
             self._reschedule(node, now)
 
     def unspin(self, r: int, now: float) -> None:
@@ -399,8 +456,12 @@ class _Sim:
                 if payload == self.sv[r] and self.state[r] == _SPINNING:
                     self.state[r] = _IDLE
                     self.unspin(r, t)
+                    if self.idle_seg:
+                        self.backoff(r, t)
             elif kind == _TURN:
                 if payload == self.tv[r] and self.state[r] == _SCHEDULED:
+                    if self.idle_seg:
+                        self.wake(r, t)
                     if r == 0:
                         self.fe_turn(t)
                     else:
@@ -411,6 +472,9 @@ class _Sim:
                     self.push(self.arr[self.nxt], _ARR, 0, self.nxt)
                 if self.inflight < s.policy.max_inflight:
                     self.fe_timer(t)
+            elif kind == _IDLEW:  # the next span of a rank's backoff (unless work ended it)
+                if payload[0] == self.iv[r]:
+                    self.backoff(r, t, payload[1])
             else:  # _DUE: the oldest request's deadline (a busy frontend scans when its turn ends)
                 self.due_armed = False
                 if self.state[0] != _BUSY:

@@ -15,12 +15,17 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
   90th percentile; ``cross_extra``: the cross-node hop less the same-node hop at the same nominal gap;
 - **frontend timer**: the runtime frontend's median admission lag (admit - arrival) with requests ``g`` apart,
   against its idle time (``g`` less the pipeline time);
+- **idle CPU** (``[Note: idle CPU]``): the ping-pong replica stamps its process's CPU seconds into each
+  answer, so successive answers differ by the CPU of one request and the idle time before it; the median of
+  those differences at a gap less their median back to back (the smallest stream) is the CPU of an idle gap,
+  against the replica's idle time (0 at least, increasing);
 - **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
   ``k`` ranks computing at once; cold extras = median after a gap less median back to back (0 at least).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -114,6 +119,28 @@ def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
     return Link(float(m), float(gb_s), sizes, ways), hops
 
 
+def _cycle_cpu_ms(v: Mapping[str, Any]) -> float:
+    """Median CPU ms of the replica between successive answers (its stamps' differences; NaN without stamps)."""
+    c = np.asarray(v.get("cpu_ms") or [], dtype=float)
+    d = np.diff(c[np.isfinite(c)]) if c.size else c
+    d = d[d >= 0]
+    return float(np.median(d)) if d.size else math.nan
+
+
+def _idle_cpu(pp: Mapping[str, Any], hops: Mapping[float, tuple[float, float, float]]) -> Curve:
+    """CPU ms of an idle gap against the replica's idle ms (``[Note: idle CPU]``); zero without stamps."""
+    streams = sorted((int(v["bytes"]), v) for k, v in pp.items() if k.startswith("stream "))
+    base = _cycle_cpu_ms(streams[0][1]) if streams else math.nan
+    if not math.isfinite(base):
+        return Curve.constant(0.0)
+    pts = [(0.0, 0.0)]
+    for k, v in pp.items():
+        if k.startswith("gap ") and float(v["gap_ms"]) in hops:
+            pts.append((hops[float(v["gap_ms"])][0], _cycle_cpu_ms(v) - base))
+    c = _increasing(pts)
+    return Curve(c.gaps_ms, tuple(itertools.accumulate(c.values_ms, max)))  # CPU only grows with the gap
+
+
 def _increasing(points: list[tuple[float, float]]) -> Curve:
     """A curve through ``points`` (gap, value), dropping gaps that do not increase."""
     gs: list[float] = []
@@ -138,6 +165,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
     turn_ms = (a + b) * 1e3  # a batch of one: the CPU the simulator charges itself
     recv_ms = (a / 2 + b) * 1e3  # the replica's CPU from a message's arrival to its program: one message, one request
     same, hops = _pingpong(chains.get("pingpong", {}), recv_ms, turn_ms, 0.002)
+    idle_cpu = _idle_cpu(chains.get("pingpong", {}), hops)
     hop = [(0.0, same.latency_ms)] + [(h[0], h[1]) for _, h in sorted(hops.items())]
     p90 = [(0.0, same.latency_ms)] + [(h[0], h[2]) for _, h in sorted(hops.items())]
     timer = [(0.0, 0.0)]
@@ -175,5 +203,5 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         frontend_us_per_request=c * 1e6, frontend_us_per_message=d * 1e6,
         component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
         compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
-        notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",),
+        notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",), idle_cpu=idle_cpu,
     )

@@ -143,7 +143,7 @@ class _Job:
             out: dict[str, Any] = {}
             last = [time.perf_counter()]
 
-            def one(x: torch.Tensor, gap_s: float) -> tuple[float, float, float]:
+            def one(x: torch.Tensor, gap_s: float) -> tuple[float, float, float, float]:
                 due = last[0] + gap_s
                 while (now := time.perf_counter()) < due:  # as the frontend waits for an arrival
                     backoff.idle(now, due, False, quiet=True)
@@ -161,20 +161,24 @@ class _Job:
                                  quiet=not inbox.pending and not outbox.pending)
                 backoff.reset()
                 last[0] = time.perf_counter()
-                ran = float(got[0][0].tensors[0][0, 0])
-                return (last[0] - t0) * 1e3, ((ran - t0) * 1e3 if same_clock else float("nan")), (t0 - due + gap_s) * 1e3
+                ans = got[0][0].tensors[0]
+                ran = float(ans[0, 0])
+                cpu = float(ans[0, 1]) * 1e3 if ans.shape[1] > 1 else float("nan")
+                return ((last[0] - t0) * 1e3, (ran - t0) * 1e3 if same_clock else float("nan"),
+                        (t0 - due + gap_s) * 1e3, cpu)
 
             for b in sizes:
                 x = torch.zeros(1, max(1, b // 8), dtype=torch.float64)
                 for _ in range(5):
                     one(x, 0.0)
                 got = [one(x, 0.0) for _ in range(self.s.samples)]
-                out[f"stream {b}"] = {"bytes": b, "rtt_ms": [g[0] for g in got], "one_way_ms": [g[1] for g in got]}
+                out[f"stream {b}"] = {"bytes": b, "rtt_ms": [g[0] for g in got], "one_way_ms": [g[1] for g in got],
+                                      "cpu_ms": [g[3] for g in got]}
             x = torch.zeros(1, 16, dtype=torch.float64)
             for g in gaps_ms:
                 got = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples) + 1)][1:]
                 out[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [p[0] for p in got], "one_way_ms": [p[1] for p in got],
-                                     "idle_ms": [p[2] for p in got]}
+                                     "idle_ms": [p[2] for p in got], "cpu_ms": [p[3] for p in got]}
                 say(0, f"calibration: ping-pong to rank {dest} idle {g:g} ms: round trip p50 "
                        f"{np.median(out[f'gap {g:g}']['rtt_ms']):.3f} ms, one way p50 "
                        f"{np.median(out[f'gap {g:g}']['one_way_ms']):.3f} ms")
@@ -262,9 +266,13 @@ class _Job:
 
 
 def _stamped(x: torch.Tensor) -> torch.Tensor:
-    """The ping-pong replica's program: its input with the time it ran (``time.perf_counter``) in the first entry."""
+    """The ping-pong replica's program: its input with the time it ran (``time.perf_counter``) in the first entry
+    and, where there is a second, the CPU seconds its process has used (``time.process_time``: successive answers
+    differ by the CPU of one request and the idle gap before it, ``[Note: idle CPU]``)."""
     y = x.clone()
     y[:, 0] = time.perf_counter()
+    if y.shape[1] > 1:
+        y[:, 1] = time.process_time()
     return y
 
 

@@ -43,4 +43,9 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
     assert {"pingpong", "one", "two", "saturation b1", "saturation b32"} <= set(raw["chains"])
     one_way = raw["chains"]["pingpong"]["gap 20"]["one_way_ms"]
     assert len(one_way) >= 3 and np.isfinite(one_way).all()  # the replica's stamp: one clock on one node
+    cpu = raw["chains"]["pingpong"]["gap 20"]["cpu_ms"]  # ... and its process's CPU: never runs backwards
+    assert len(cpu) >= 3 and np.all(np.diff(cpu) >= 0)
+    # an idle gap costs CPU (at least the spin after work), more the longer it is
+    idle = cal.idle_cpu
+    assert idle.at(20.0) > 0 and all(b >= a for a, b in zip(idle.values_ms, idle.values_ms[1:], strict=False))
     assert "calibration written to" in p.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hpcsplit.core.calibration import (
@@ -32,6 +33,7 @@ def measured() -> Calibration:
         frontend_us_per_request=3.0, frontend_us_per_message=17.0, component_us_per_message=15.0,
         component_us_per_request=2.5, compute_gflops={1: 38.0, 2: 60.0}, corun_slowdown=(1.0, 1.07),
         switchboard_sha256="ab" * 32, programs={"whole": ProgramCal(1.5, Curve((0.0, 100.0), (0.0, 0.4)))},
+        idle_cpu=Curve((0.0, 0.5, 2.0), (0.0, 0.1, 0.15)),
     )
 
 
@@ -41,6 +43,14 @@ def test_round_trip_keeps_every_figure(tmp_path: Path) -> None:
     assert back.to_json() == cal.to_json()
     assert back.hop.at(10.0) == pytest.approx(0.45) and back.program("whole", "ab" * 32).batch1_ms == 1.5
     assert back.program("whole", "cd" * 32) is None  # another switchboard's programs are not used
+    assert back.idle_cpu.at(2.0) == pytest.approx(0.15)
+
+
+def test_a_file_written_before_idle_cpu_reads_as_no_idle_cpu(tmp_path: Path) -> None:
+    d = measured().to_json()
+    del d["idle_cpu"]
+    back = load_calibration(_write(tmp_path, d))
+    assert back.idle_cpu == Curve.constant(0.0) and back.hop.at(10.0) == pytest.approx(0.45)
 
 
 def test_split_rule_takes_the_calibrated_figures_and_defaults_say_so() -> None:
@@ -84,6 +94,8 @@ def _write(tmp_path: Path, data: object) -> Path:
     (lambda d: d["compute"].update(gflops={"\u00b2": 3.0}), "compute.gflops key = '\u00b2'"),  # a digit to isdigit()
     (lambda d: d.update(hop=None), "hop = None: needs an object"),  # null is not the curve, nor a default
     (lambda d: d.update(same_node=None), "same_node = None: needs an object"),
+    (lambda d: d.update(idle_cpu=None), "idle_cpu = None: needs an object"),  # optional, but not null
+    (lambda d: d["idle_cpu"].update(values_ms=[0.0, float("inf"), 1.0]), r"idle_cpu.values_ms\[1\] = inf"),
 ])
 def test_a_malformed_file_is_refused_naming_the_problem(tmp_path: Path, mutate, message: str) -> None:
     d = measured().to_json()
@@ -143,7 +155,11 @@ def _raw(hop_ms: float, turn_s: float = 30e-6) -> dict:
           for b in (64, 1 << 20)}
     for g in (1.0, 10.0, 100.0):
         pp[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [hop_ms + turn_s * 1e3 + m] * 9,
-                            "one_way_ms": [hop_ms + recv] * 9, "idle_ms": [g] * 9}
+                            "one_way_ms": [hop_ms + recv] * 9, "idle_ms": [g] * 9,
+                            # the replica's CPU stamps: a request costs turn_s, an idle gap g ms 0.02 * g + 0.05 ms
+                            "cpu_ms": list(np.cumsum([turn_s * 1e3 + 0.02 * g + 0.05] * 9))}
+    for v in (pp["stream 64"], pp[f"stream {1 << 20}"]):
+        v["cpu_ms"] = list(np.cumsum([turn_s * 1e3] * 5))
     sat = {"saturation b1": {"component": {"batches": 1000, "requests": 1000, "cpu_s": 1000 * turn_s},
                              "saturation": {"requests": 1000, "wall_s": 0.1, "frontend_cpu_s": 1000 * 40e-6}},
            "saturation b32": {"component": {"batches": 40, "requests": 1000, "cpu_s": 40 * 25e-6 + 1000 * 5e-6},
@@ -164,6 +180,12 @@ def test_fit_recovers_the_figures_it_was_given(tmp_path: Path) -> None:
     assert cal.frontend_timer.at(99.0) == pytest.approx(0.1)
     load_calibration(cal.save(tmp_path / "c.json"))  # what it writes, every reader takes
     assert fit(_raw(2.0)).hop.at(10.0) > fit(_raw(0.5)).hop.at(10.0) + 1.4
+    for g in (1.0, 10.0, 100.0):  # the CPU of an idle gap: per request at that gap, less back to back
+        assert cal.idle_cpu.at(g) == pytest.approx(0.02 * g + 0.05)
+    raw = _raw(0.5)
+    for v in raw["chains"]["pingpong"].values():
+        v.pop("cpu_ms")
+    assert fit(raw).idle_cpu == Curve.constant(0.0)  # no stamps (an older job's raw figures): none
 
 
 @pytest.mark.parametrize("over", [{"sizes_bytes": [float("inf")]}, {"sizes_bytes": [2**2000]},

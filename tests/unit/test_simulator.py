@@ -299,3 +299,24 @@ def test_time_never_runs_backwards_when_deadlines_pass_during_slow_turns(monkeyp
     r = simulate(chain([20.0, 5.0], cal, policy=ServePolicy(request_timeout_s=0.02)), arrival_times(80, 2.0, "poisson", 2))
     assert (r.status == STATUS_TIMEOUT).all()  # (20 ms of compute: every request misses the 20 ms)
     assert len(times) == r.events and all(b >= a for a, b in itertools.pairwise(times))
+
+
+def test_ranks_backing_off_take_the_cpu_their_wake_ups_cost_from_a_shared_core() -> None:
+    """[Note: idle CPU]: after its spin a rank's backoff costs the share of a core the calibration's idle_cpu
+    says; on one core the frontend and the first component backing off (half a core each) halve the speed
+    of the second one's 10 ms batch; with a core each, or with no idle CPU, it takes its 10 ms."""
+    idle = free(idle_cpu=Curve((0.0, 100.0), (0.0, 50.0)))  # 50 ms of CPU over 100 ms idle: half a core
+    quiet = ServePolicy(spin_us=0.0)
+
+    def ms(cal: Calibration, cores: float) -> float:
+        r = simulate(chain([0.0, 10.0], cal, cores=(cores,), policy=quiet), np.array([0.0]))
+        return float((r.done_s - r.arrival_s)[0] * 1e3)
+
+    assert ms(free(), 1.0) == pytest.approx(10.0)
+    assert ms(idle, 1.0) == pytest.approx(20.0)
+    assert ms(idle, 3.0) == pytest.approx(10.0)
+    # past the curve's last point a rank sleeps on the doorbell: no share; work ends the backoff at once
+    late = free(idle_cpu=Curve((0.0, 1.0), (0.0, 0.5)))
+    assert ms(late, 1.0) == pytest.approx(10.5)  # its first 1 ms at half speed (0.5 ms done), then alone
+    r = simulate(chain([0.0, 10.0], idle, cores=(1.0,), policy=quiet), np.array([0.0, 0.05]))
+    assert np.all(r.ok)

@@ -41,9 +41,10 @@ A rank idle between messages is not free: after its spin the runtime's backoff (
 rank spends over an idle gap (measured in the ping-pong: the replica's CPU per request at each gap, less back
 to back).  On a node whose cores are shared, a rank in its backoff counts as a fraction of a thread: over
 each span between the curve's points after the spin, the CPU the curve adds there divided by the span's
-length (at most one core).  At 2,048 req/s through the toy's seven ranks on two cores these wake-ups took
-about as much CPU as the spins and the compute together (the machine ran 95 % busy where the spins and the
-compute alone fill about half of it), and the latency the simulator missed was the queueing for the cores.
+length (at most one core).  Measured on the development VM: a rank idle 0.5 ms used 0.14 ms of CPU, against
+its spin's 0.05.  At 2,048 req/s through the toy's seven ranks on two cores the machine ran 95 % busy
+(0.9 ms of CPU per request for 0.11 ms of compute); charging the wake-ups raised the simulated p50 there by
+2-20 %, a part of what it missed (docs/simulate.md, "Measured").
 
 The batching rule is checked against the runtime's code on the same trace (``tests/unit/test_simulator.py``
 replays every turn through ``runtime.batching.Batcher``).  Deterministic: the same system, schedule and seed give the same result.

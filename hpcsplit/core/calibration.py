@@ -343,7 +343,7 @@ def parse_calibration(data: bytes, path: Path) -> Calibration:
     if ver != CALIBRATION_SCHEMA_VERSION:
         raise CalibrationError(f"{path}: found schema_version={ver!r}; this hpcsplit reads version "
                                f"{CALIBRATION_SCHEMA_VERSION}; {redo} with this hpcsplit")
-    r = _Reader(path, absent=[k for k in _Reader.KEYS if k not in d and k not in _Reader.OPTIONAL])
+    r = _Reader(path, absent=[k for k in _Reader.KEYS if k not in d])
     cal = r.calibration(d)
     r.done(redo)
     assert cal is not None

@@ -341,14 +341,12 @@ class _Sim:
     def backoff(self, r: int, now: float, k: int = 0) -> None:
         """Span ``k`` of rank ``r``'s backoff begins: it takes that span's share of a core (``[Note: idle CPU]``)."""
         w = self.idle_seg[k][1] if k < len(self.idle_seg) else 0.0
-        if w == self.iw[r] and k:
-            self.push(now + self.idle_seg[k][0], _IDLEW, r, (self.iv[r], k + 1))
-            return
-        node = self.node[r]
-        self._advance(node, now)
-        self.idle_w[node] += w - self.iw[r]
-        self.iw[r] = w
-        self._reschedule(node, now)
+        if w != self.iw[r]:
+            node = self.node[r]
+            self._advance(node, now)
+            self.idle_w[node] += w - self.iw[r]
+            self.iw[r] = w
+            self._reschedule(node, now)
         if k < len(self.idle_seg):
             self.push(now + self.idle_seg[k][0], _IDLEW, r, (self.iv[r], k + 1))
 

@@ -122,7 +122,7 @@ def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
 def _cycle_cpu_ms(v: Mapping[str, Any]) -> float:
     """Median CPU ms of the replica between successive answers (its stamps' differences; NaN without stamps)."""
     c = np.asarray(v.get("cpu_ms") or [], dtype=float)
-    d = np.diff(c[np.isfinite(c)]) if c.size else c
+    d = np.diff(c[np.isfinite(c)])
     d = d[d >= 0]
     return float(np.median(d)) if d.size else math.nan
 

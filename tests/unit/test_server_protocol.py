@@ -9,7 +9,13 @@ from types import SimpleNamespace as T
 import numpy as np
 import pytest
 
-from hpcsplit.runtime.server.protocol import ModelSpec, RequestRejected, decode_http, encode_http
+from hpcsplit.runtime.server.protocol import (
+    InferRequest,
+    ModelSpec,
+    RequestRejected,
+    decode_http,
+    encode_http,
+)
 
 SPEC = ModelSpec.from_layout(
     "m", [T(name="x", dtype="float32", shape=("batch", 3)), T(name="ids", dtype="int64", shape=("batch", 2))],
@@ -141,6 +147,63 @@ def test_the_hub_answers_every_open_request_when_abandoned() -> None:
         assert hub.abandon(err) == 0
 
     asyncio.run(main())
+
+
+def test_the_hubs_request_metrics_read_as_prometheus_clients_own() -> None:
+    """[Note: metrics per batch]: the hub's counters and histograms, folded per batch of values (also past the
+    fold threshold, and with values on the bucket bounds), expose exactly what prometheus_client's Counter
+    and Histogram give for the same requests."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from hpcsplit.runtime.server import hub as hubmod
+
+    rng = np.random.default_rng(0)
+    lat = np.concatenate([rng.exponential(0.01, 5000), np.asarray(hubmod._LATENCY_BUCKETS)])  # bounds: le
+    ref = CollectorRegistry()
+    r_req = Counter("hpcsplit_requests", "x", ["protocol", "outcome"], registry=ref)
+    r_lat = Histogram("hpcsplit_request_latency_seconds", "x", ["protocol"], buckets=hubmod._LATENCY_BUCKETS,
+                      registry=ref)
+    r_batch = Histogram("hpcsplit_request_batch_size", "x", buckets=hubmod._BATCH_BUCKETS, registry=ref)
+    r_queue = Histogram("hpcsplit_request_queue_seconds", "x", buckets=hubmod._LATENCY_BUCKETS, registry=ref)
+
+    async def main() -> str:
+        hub = hubmod.Hub(SPEC, capacity=8, token=None)
+        hub.ready.set()
+        loop = asyncio.get_running_loop()
+        for i, seconds in enumerate(lat.tolist()):
+            proto = ("http", "grpc")[i % 2]
+            batch = 1 + i % 300
+            t = hubmod.Ticket(InferRequest(str(i), [], batch, [0], [True]), proto, loop, loop.create_future(),
+                              t_arrival=0.0)  # now - t_arrival is the latency exactly
+            if i % 7 == 0:
+                hub.count(t, "timeout", now=seconds)
+                r_req.labels(proto, "timeout").inc()
+                r_lat.labels(proto).observe(seconds)
+                continue
+            hub.count(t, "ok", now=seconds)
+            r_req.labels(proto, "ok").inc()
+            r_lat.labels(proto).observe(seconds)
+            with hub._lock:  # what finish adds beside the outcome (finish itself stamps the time now)
+                hub.h_batch.pending.append(batch)
+                hub.h_queue.pending.append(seconds / 2)
+            r_batch.observe(batch)
+            r_queue.observe(seconds / 2)
+        hub.count(None, "rejected", "http")
+        r_req.labels("http", "rejected").inc()
+        return (await hub.metrics_text()).decode()
+
+    def series(text: str, names: tuple[str, ...]) -> dict[str, float]:
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not
+                                          line.startswith("#") and line.startswith(names) and "_created" not in line)}
+
+    names = ("hpcsplit_requests_total", "hpcsplit_request_latency_seconds", "hpcsplit_request_batch_size",
+             "hpcsplit_request_queue_seconds")
+    got, want = series(asyncio.run(main()), names), series(generate_latest(ref).decode(), names)
+    assert set(got) == set(want) and len(want) > 60
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9), k
 
 
 @pytest.mark.parametrize("name", ["m", "odd name"])

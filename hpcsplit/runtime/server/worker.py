@@ -75,7 +75,7 @@ class WorkerHub(Hub):
         self.link.send(ch.encode_request(seq, t.t_arrival, ch.PROTOCOLS.index(protocol), req))
         return t
 
-    def count(self, t: Ticket | None, outcome: str, protocol: str | None = None) -> None:
+    def count(self, t: Ticket | None, outcome: str, protocol: str | None = None, now: float | None = None) -> None:
         # only requests refused here (token, size, a bad input) are counted here: the frontend counts the rest
         self.link.send(ch.json_frame(ch.COUNT, [t.protocol if t is not None else protocol or "", outcome]))
 

@@ -149,16 +149,19 @@ def test_the_hub_answers_every_open_request_when_abandoned() -> None:
     asyncio.run(main())
 
 
-def test_the_hubs_request_metrics_read_as_prometheus_clients_own() -> None:
+def test_the_hubs_request_metrics_read_as_prometheus_clients_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: metrics per batch]: the hub's counters and histograms, folded per batch of values (also past the
     fold threshold, and with values on the bucket bounds), expose exactly what prometheus_client's Counter
-    and Histogram give for the same requests."""
+    and Histogram give for the same requests, answered through Hub.finish and Hub.count."""
     import asyncio
+    import time
 
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
     from hpcsplit.runtime.server import hub as hubmod
 
+    now = [0.0]  # the hub's perf_counter reads the latency the request at hand should have
+    monkeypatch.setattr(hubmod, "time", T(perf_counter=lambda: now[0], time=time.time))
     rng = np.random.default_rng(0)
     lat = np.concatenate([rng.exponential(0.01, 5000), np.asarray(hubmod._LATENCY_BUCKETS)])  # bounds: le
     ref = CollectorRegistry()
@@ -167,6 +170,7 @@ def test_the_hubs_request_metrics_read_as_prometheus_clients_own() -> None:
                       registry=ref)
     r_batch = Histogram("hpcsplit_request_batch_size", "x", buckets=hubmod._BATCH_BUCKETS, registry=ref)
     r_queue = Histogram("hpcsplit_request_queue_seconds", "x", buckets=hubmod._LATENCY_BUCKETS, registry=ref)
+    r_compute = Histogram("hpcsplit_request_compute_seconds", "x", buckets=hubmod._LATENCY_BUCKETS, registry=ref)
 
     async def main() -> str:
         hub = hubmod.Hub(SPEC, capacity=8, token=None)
@@ -177,19 +181,17 @@ def test_the_hubs_request_metrics_read_as_prometheus_clients_own() -> None:
             batch = 1 + i % 300
             t = hubmod.Ticket(InferRequest(str(i), [], batch, [0], [True]), proto, loop, loop.create_future(),
                               t_arrival=0.0)  # now - t_arrival is the latency exactly
-            if i % 7 == 0:
-                hub.count(t, "timeout", now=seconds)
-                r_req.labels(proto, "timeout").inc()
-                r_lat.labels(proto).observe(seconds)
-                continue
-            hub.count(t, "ok", now=seconds)
-            r_req.labels(proto, "ok").inc()
+            now[0] = seconds
+            r_req.labels(proto, "timeout" if i % 7 == 0 else "ok").inc()
             r_lat.labels(proto).observe(seconds)
-            with hub._lock:  # what finish adds beside the outcome (finish itself stamps the time now)
-                hub.h_batch.pending.append(batch)
-                hub.h_queue.pending.append(seconds / 2)
+            if i % 7 == 0:
+                hub.count(t, "timeout")
+                continue
+            t.t_admit, t.compute_us = seconds / 2, i
+            hub.finish(t, [])
             r_batch.observe(batch)
             r_queue.observe(seconds / 2)
+            r_compute.observe(i / 1e6)
         hub.count(None, "rejected", "http")
         r_req.labels("http", "rejected").inc()
         return (await hub.metrics_text()).decode()
@@ -199,9 +201,9 @@ def test_the_hubs_request_metrics_read_as_prometheus_clients_own() -> None:
                                           line.startswith("#") and line.startswith(names) and "_created" not in line)}
 
     names = ("hpcsplit_requests_total", "hpcsplit_request_latency_seconds", "hpcsplit_request_batch_size",
-             "hpcsplit_request_queue_seconds")
+             "hpcsplit_request_queue_seconds", "hpcsplit_request_compute_seconds")
     got, want = series(asyncio.run(main()), names), series(generate_latest(ref).decode(), names)
-    assert set(got) == set(want) and len(want) > 60
+    assert set(got) == set(want) and len(want) > 80
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-9), k
 

@@ -2,7 +2,7 @@
 
 [Note: transport wire format]
 A message starts with one MPI message on ``TAG_HEADER``: the header, and behind it, when every tensor is
-on the host and their bytes total at most :func:`inline_limit` (16 KiB on one node, 64 KiB between
+on the host and their bytes total at most :func:`inline_limit` (8 KiB on one node, 64 KiB between
 nodes), every tensor's bytes, each at a 64-byte aligned offset.  A larger message (or one with GPU tensors) sends the header alone, then one
 payload per tensor that has bytes on ``TAG_PAYLOAD``, straight from the tensor's memory; MPI's non-overtaking rule (same
 source, tag and communicator arrive in order) pairs payloads with their header, so a receiver that posts
@@ -106,7 +106,7 @@ KIND_CONTROL = 4
 KIND_ROW_ERROR = 5  # batch mode: these requests failed in a component (payload: the message); it keeps serving
 TAG_HEADER = 7101
 TAG_PAYLOAD = 7102
-INLINE_MAX = 16 << 10  # tensors' bytes (aligned) up to which they travel behind the header, in one message
+INLINE_MAX = 8 << 10  # tensors' bytes (aligned) up to which they travel behind the header, in one message
 INLINE_MAX_REMOTE = 64 << 10  # ... to a rank on another node (see set_node_peers)
 _ZEROS = bytes(64)
 
@@ -142,11 +142,11 @@ def set_node_peers(comm: Any, on_this_node: Sequence[int]) -> None:
 
 def inline_limit(comm: Any, dest: int) -> int:
     """How many bytes of tensors travel behind the header to ``dest``: ``INLINE_MAX_REMOTE`` (64 KiB) to a
-    rank on another node (:func:`set_node_peers`), else ``INLINE_MAX`` (16 KiB).
+    rank on another node (:func:`set_node_peers`), else ``INLINE_MAX`` (8 KiB).
 
     Between nodes every MPI message costs a network round of its own (OFI: a few microseconds of system
     calls on each side), so a second message costs more than copying 64 KiB behind the header; on one
-    node it costs less than copying more than 16 KiB behind the header and out of MPI's queue.  Without
+    node it costs less than copying more than 8 KiB behind the header and out of MPI's queue.  Without
     :func:`set_node_peers` every rank counts as on this node.
     """
     remote = _REMOTE

@@ -48,7 +48,7 @@ if rank == 0:
 '''
 
 SIZES = COMMON + r'''
-# the inline limits as the runtime sets them: 16 KiB to a rank on this node, 64 KiB to one on another
+# the inline limits as the runtime sets them: 8 KiB to a rank on this node, 64 KiB to one on another
 hosts = comm.allgather(socket.gethostname())
 tp.set_node_peers(comm, [r for r, h in enumerate(hosts) if h == hosts[rank]])
 # (slot, shape) per tensor: 0 bytes, a scalar, a few bytes, just under and over both inline limits,
@@ -119,7 +119,7 @@ else:
 def test_every_size_class_and_dtype_arrives_intact(tmp_path: Path) -> None:
     r0, r1 = run_job(tmp_path, SIZES, 2, timeout_s=180)
     assert r1["bad"] == [] and r1["count"] == r1["n"] + 1, r1
-    assert r0["limit"] == r1["limit"] == 16 << 10 and not r0["two_nodes"]  # both ranks on this node
+    assert r0["limit"] == r1["limit"] == 8 << 10 and not r0["two_nodes"]  # both ranks on this node
     assert r1["last_kind"] == 2 and r1["pending"] == 0  # the STOP came last, nothing left behind
 
 

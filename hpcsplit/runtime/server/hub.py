@@ -45,13 +45,14 @@ _FOLD_AT = 4096  # values a histogram keeps before it folds them into its bucket
 
 
 class _Histogram:
-    """One histogram series, observed per batch (``[Note: metrics per batch]``): :meth:`fold` turns the values
-    appended to :attr:`pending` into bucket counts.
+    """One histogram series, observed per batch (``[Note: metrics per batch]``): :meth:`add` keeps a value,
+    :meth:`fold` turns the values kept into bucket counts (itself, once ``_FOLD_AT`` wait).
 
     Examples
     --------
     >>> h = _Histogram((1.0, 2.0))
-    >>> h.pending += [0.5, 1.0, 1.5, 7.0]
+    >>> for v in (0.5, 1.0, 1.5, 7.0):
+    ...     h.add(v)
     >>> h.fold()
     >>> h.counts.tolist(), h.total
     ([2, 1, 1], 10.0)
@@ -64,6 +65,12 @@ class _Histogram:
         self.counts = np.zeros(len(bounds) + 1, dtype=np.int64)  # the last one: above every bound (+Inf)
         self.total = 0.0
         self.pending: list[float] = []
+
+    def add(self, value: float) -> None:
+        p = self.pending
+        p.append(value)
+        if len(p) >= _FOLD_AT:
+            self.fold()
 
     def fold(self) -> None:
         if self.pending:
@@ -205,9 +212,7 @@ class Hub:
                 h = self.latency.get(proto)
                 if h is None:
                     h = self.latency[proto] = _Histogram(_LATENCY_BUCKETS)
-                h.pending.append((time.perf_counter() if now is None else now) - t.t_arrival)
-                if len(h.pending) >= _FOLD_AT:
-                    h.fold()
+                h.add((time.perf_counter() if now is None else now) - t.t_arrival)
 
     # ------------------------------------------------------------------ frontend side
     def take(self, limit: int) -> list[Ticket]:
@@ -228,12 +233,9 @@ class Hub:
             _add(st["compute_infer"], now - t.t_admit)
             st["compute_input"][0] += 1  # perf_analyzer wants the three compute counts equal
             st["compute_output"][0] += 1
-            self.h_batch.pending.append(n)
-            self.h_compute.pending.append(t.compute_us / 1e6)
-            self.h_queue.pending.append(queued)
-            if len(self.h_queue.pending) >= _FOLD_AT:
-                for h in (self.h_batch, self.h_compute, self.h_queue):
-                    h.fold()
+            self.h_batch.add(n)
+            self.h_compute.add(t.compute_us / 1e6)
+            self.h_queue.add(queued)
         self.count(t, "ok", now=now)
         self.open.discard(t)
         t.resolve(outputs)

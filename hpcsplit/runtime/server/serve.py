@@ -201,7 +201,7 @@ class ServeLoop:
         # ---- take new requests while the pipeline window has room
         room = rt.max_inflight - len(inflight) - len(self.pending)
         if room > 0 and hub.queue:
-            for t in hub.take(max(1, room)):
+            for t in hub.take(room):
                 worked = True
                 n = t.req.batch
                 rows = list(range(fe.next_id, fe.next_id + n))

@@ -60,6 +60,7 @@ from hpcsplit.bench.server_echo import echo_main
 from hpcsplit.bench.server_report import report
 from hpcsplit.core.plan import Plan, RankEntry
 from hpcsplit.launch.local import find_mpiexec
+from hpcsplit.runtime.threads import cpu_seconds_of
 from hpcsplit.switchboard.reader import Switchboard
 from hpcsplit.switchboard.writer import export
 
@@ -200,15 +201,7 @@ class Target:
 
 def cpu_seconds(pids: tuple[int, ...] | list[int]) -> float:
     """utime + stime of the processes (every thread) from ``/proc``; a process gone counts 0."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(f[11]) + int(f[12])
-    return total / tick
+    return cpu_seconds_of(pids) or 0.0
 
 
 @dataclass

@@ -86,6 +86,7 @@ class LevelSummary:
     span_s: float
     path_p50_ms: float = float("nan")  # compute on the critical path, measured in the run (median)
     over_path_p50: float = float("nan")  # median over requests of latency / their critical-path compute
+    cpu_cores: float = float("nan")  # CPU the ranks on the frontend's node used over the level, in cores
 
     def to_dict(self) -> dict[str, float | int | str]:
         return asdict(self)

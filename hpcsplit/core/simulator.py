@@ -125,6 +125,7 @@ class SimRun:
     status: np.ndarray
     busy_s: np.ndarray  # per rank: time spent in turns
     events: int
+    node_cpu_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per node: CPU used (shared CPU plans)
 
     @property
     def ok(self) -> np.ndarray:
@@ -215,6 +216,9 @@ class _Sim:
         self.spin_s = s.policy.spin_us / 1e6
         self.rate = [1.0] * nodes
         self.t_node = [0.0] * nodes
+        self.demand = [0.0] * nodes  # threads that want a core now: computing, spinning, backing off
+        self.cpu = [0.0] * nodes  # CPU seconds used so far: min(cores, demand) over time
+        self.cpu_at: list[float] | None = None  # ... when the last request was answered (the bench's window)
         self.heap: list[tuple[float, int, int, int, Any]] = []
         self.seq = 0
         self.wait_s = s.policy.max_wait_ms / 1e3
@@ -281,9 +285,10 @@ class _Sim:
 
     def _reschedule(self, node: int, now: float) -> None:
         jobs = self.jobs[node]
+        threads = sum(j[1] for j in jobs.values()) + self.spinners[node] + self.idle_w[node]
+        self.demand[node] = threads
         if not jobs:
             return
-        threads = sum(j[1] for j in jobs.values()) + self.spinners[node] + self.idle_w[node]
         rate = min(1.0, self.cores[node] / threads) / self.cal.corun(len(jobs))
         self.rate[node] = rate
         for r, j in jobs.items():
@@ -291,7 +296,11 @@ class _Sim:
             self.push(now + j[0] / rate, _DONE, r, self.jv[r])
 
     def _advance(self, node: int, now: float) -> None:
+        """Bring the node's jobs (and its CPU count) up to ``now``; every change of what runs calls it first, then
+        :meth:`_reschedule`."""
         dt = now - self.t_node[node]
+        if dt > 0:
+            self.cpu[node] += dt * min(self.cores[node], self.demand[node])
         if dt > 0 and self.jobs[node]:
             done = dt * self.rate[node]
             for j in self.jobs[node].values():
@@ -486,7 +495,7 @@ class _Sim:
                         self.arm_deadline(t)  # the one armed for finished: the oldest still in flight
         done = np.asarray(self.done)
         return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
-                      np.asarray(self.busy), events)
+                      np.asarray(self.busy), events, np.asarray(self.cpu_at or self.cpu))
 
     # ------------------------------------------------------------------ the frontend
     def fe_turn(self, t: float) -> None:
@@ -553,6 +562,10 @@ class _Sim:
                 self.done[i] = t
                 self.router.release(self.routes[i])
         self.last[0] = t
+        if self.cpu_at is None and self.adm == len(arr) and not self.inflight:  # every request answered
+            for node in range(len(self.cpu) if self.shared else 0):
+                self._advance(node, t)
+            self.cpu_at = list(self.cpu)
         if self.inbox[0] or (self.adm < self.nxt and self.inflight < s.policy.max_inflight):
             self.state[0] = _SCHEDULED
             self.fe_turn(t)

@@ -35,7 +35,7 @@ from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import ComponentProfile, read_profile
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.core.sim_model import SimGraph, build_system
-from hpcsplit.core.simulator import ServePolicy, SimSystem, simulate
+from hpcsplit.core.simulator import ServePolicy, SimRun, SimSystem, simulate
 from hpcsplit.errors import ConfigError
 from hpcsplit.launch.pipeline import load_manifest
 from hpcsplit.launch.summary import write_summary
@@ -125,6 +125,7 @@ class Predicted:
     p90_ms: float
     p99_ms: float
     sim_s: float  # wall seconds the simulations of this level took
+    cpu_cores: float = float("nan")  # CPU of the frontend's node over the level, in cores (CPU plans; NaN: GPUs)
 
 
 def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequence[str], runs: int,
@@ -137,16 +138,28 @@ def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequ
             for i, q in enumerate(schedule.qps):
                 arr = level_arrivals(q, i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
                 t0 = time.perf_counter()
-                ss = []
+                ss, cpu = [], []
                 span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
                 for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
                     r = simulate(system, arr, seed=seed + 1000 * k + i)
                     ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok))
+                    cpu.append(node_cpu_cores(system, r))
                 med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
                        for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms")}
                 out.append(Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
-                                     sim_s=time.perf_counter() - t0, **med))
+                                     sim_s=time.perf_counter() - t0, cpu_cores=float(np.median(cpu)), **med))
     return out
+
+
+def node_cpu_cores(system: SimSystem, run: SimRun) -> float:
+    """The CPU the simulated ranks on the frontend's node used, in cores, from the start of the level to its last
+    answer (the window over which the bench reads its ranks' CPU); NaN where compute is on devices."""
+    node = system.ranks[0].node
+    if not system.node_cores or node >= len(run.node_cpu_s):
+        return float("nan")
+    end = np.concatenate([run.arrival_s, run.done_s[np.isfinite(run.done_s)]])
+    t = float(end.max()) if len(end) else 0.0
+    return float(run.node_cpu_s[node]) / t if t > 0 else float("nan")
 
 
 def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str) -> list[dict[str, Any]]:
@@ -164,6 +177,7 @@ def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]
         if p is None:
             continue
         mq, m50, m99 = float(m["achieved_qps"]), float(m["p50_ms"]), float(m["p99_ms"])
+        mc = float(m.get("cpu_cores") or "nan")  # (a bench before the column: not measured)
         saturated = mq < SATURATED * p.schedule_qps
         rows.append({
             "variant": key[0], "offered_qps": key[1], "saturated": saturated,
@@ -171,6 +185,7 @@ def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]
             "measured_p50_ms": m50, "predicted_p50_ms": p.p50_ms, "p50_err_pct": err_pct(p.p50_ms, m50),
             "measured_p99_ms": m99, "predicted_p99_ms": p.p99_ms, "p99_err_pct": err_pct(p.p99_ms, m99),
             "measured_ok": float(m["success_rate"]), "predicted_ok": p.success_rate,
+            "measured_cpu_cores": mc, "predicted_cpu_cores": p.cpu_cores, "cpu_err_pct": err_pct(p.cpu_cores, mc),
         })
     return rows
 
@@ -191,14 +206,18 @@ def verdict(row: Mapping[str, Any]) -> str:
 
 def format_compare(rows: Sequence[Mapping[str, Any]]) -> str:
     head = (f"{'variant':<7} {'QPS':>7} | {'p50 meas':>9} {'pred':>9} {'err':>7} | {'p99 meas':>9} {'pred':>9} "
-            f"{'err':>7} | {'req/s meas':>10} {'pred':>9} {'err':>7} | target")
+            f"{'err':>7} | {'req/s meas':>10} {'pred':>9} {'err':>7} | {'CPU meas':>8} {'pred':>5} | target")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['variant']:<7} {r['offered_qps']:>7g} | {r['measured_p50_ms']:>9.2f} {r['predicted_p50_ms']:>9.2f} "
             f"{r['p50_err_pct']:>+6.1f}% | {r['measured_p99_ms']:>9.2f} {r['predicted_p99_ms']:>9.2f} "
             f"{r['p99_err_pct']:>+6.1f}% | {r['measured_qps']:>10.2f} {r['predicted_qps']:>9.2f} "
-            f"{r['qps_err_pct']:>+6.1f}% | {verdict(r)}{' (saturated: throughput)' if r['saturated'] else ''}")
+            f"{r['qps_err_pct']:>+6.1f}% | {r.get('measured_cpu_cores', math.nan):>8.2f} "
+            f"{r.get('predicted_cpu_cores', math.nan):>5.2f} | {verdict(r)}"
+            f"{' (saturated: throughput)' if r['saturated'] else ''}")
+    lines.append("CPU: cores the ranks on the frontend's node used over the level (measured from /proc; predicted: the "
+                 "simulated node's computing, polling and backing-off ranks); not a target, a reading of the model")
     return "\n".join(lines)
 
 
@@ -242,6 +261,8 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
             for k in ("offered_qps", "achieved_qps", "p50_ms", "p99_ms", "success_rate"):
                 float(r[k])
             str(r["variant"])
+            if r.get("cpu_cores") not in (None, "", "nan"):  # optional (benches before it have none)
+                _within(float(r["cpu_cores"]), "cpu_cores", 0.0, 1e6)
     except (KeyError, TypeError, ValueError) as e:
         print(f"{paths.bench_record} / {paths.bench_summary}: not as the bench writes them ({type(e).__name__}: {e}); "
               "simulating the configured levels without a comparison", flush=True)

@@ -131,6 +131,15 @@ def _fig(v: Any, fmt: str) -> str:
     return format(float(v), fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
+def _cores(v: Any) -> str:
+    """A CPU figure of compare.csv (cores, or empty / NaN where not measured or not simulated) for the table."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return ""
+    return f"{x:.2f}" if math.isfinite(x) else ""
+
+
 def _bench(result: Mapping[str, Any] | None, paths: RunPaths) -> list[str]:
     if not result:
         return []
@@ -183,14 +192,19 @@ def _simulate(paths: RunPaths) -> list[str]:
                    ("`stage=simulate` of this plan beside the bench (the bench's own levels and schedule; p50 within "
                    "10 % and p99 within 20 % below saturation, throughput within 10 % past it)."), "",
                    ("| variant | QPS | p50 ms measured | predicted | error | p99 ms measured | predicted | error "
-                   "| req/s measured | predicted | error | target |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                   "| req/s measured | predicted | error | CPU cores measured | predicted | target |"),
+                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
             for r in rows:
                 out.append(
                     f"| {r['variant']} | {float(r['offered_qps']):g} | {float(r['measured_p50_ms']):.2f} | "
                     f"{float(r['predicted_p50_ms']):.2f} | {float(r['p50_err_pct']):+.1f}% | "
                     f"{float(r['measured_p99_ms']):.2f} | {float(r['predicted_p99_ms']):.2f} | "
                     f"{float(r['p99_err_pct']):+.1f}% | {float(r['measured_qps']):.2f} | {float(r['predicted_qps']):.2f} | "
-                    f"{float(r['qps_err_pct']):+.1f}% | {r['target']}{' (saturated)' if r['saturated'] == 'True' else ''} |")
+                    f"{float(r['qps_err_pct']):+.1f}% | {_cores(r.get('measured_cpu_cores'))} | "
+                    f"{_cores(r.get('predicted_cpu_cores'))} | {r['target']}"
+                    f"{' (saturated)' if r['saturated'] == 'True' else ''} |")
+            out += ["", ("CPU cores: what the ranks on the frontend's node used over the level (the bench reads /proc; the "
+                         "simulation counts its computing, polling and backing-off ranks); empty where not known.")]
             return out
         if predicted.is_file():
             with open(predicted, newline="") as fh:

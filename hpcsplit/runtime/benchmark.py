@@ -16,6 +16,7 @@ import json
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,14 @@ import torch
 from hpcsplit.core.load import level_arrivals
 from hpcsplit.core.profile_format import read_profile
 from hpcsplit.runtime.context import RankContext, say
+from hpcsplit.runtime.faults import job_process
 from hpcsplit.runtime.frontend import Frontend, request_getter
 from hpcsplit.runtime.loadgen import LevelSummary, arrival_times, format_table, improvement_rows, summarize
 from hpcsplit.runtime.routing import critical_path_ms, graph_from_switchboard
+from hpcsplit.runtime.threads import cpu_seconds_of
 
-__all__ = ["critical_path_floor_ms", "finish", "floor_now_ms", "in_run_batch1_ms", "run_levels", "start_levels"]
+__all__ = ["critical_path_floor_ms", "finish", "floor_now_ms", "in_run_batch1_ms", "node_pids", "run_levels",
+           "start_levels"]
 
 
 def _say(msg: str) -> None:
@@ -75,12 +79,16 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
     if b.warmup_s > 0:
         fe.run(arrival_times(b.qps[0], b.warmup_s, "constant"), get, None, timeout, rt.max_inflight)
     levels, raw, windows = [], [], []
+    pids = node_pids(ctx)
     for i, q in enumerate(b.qps):
         arr = level_arrivals(q, i, b.duration_s, b.min_requests, b.arrival, b.seed)
-        w0 = time.time()
+        w0, c0 = time.time(), cpu_seconds_of(pids)
         res = fe.run(arr, get, None, timeout, rt.max_inflight)
-        windows.append((w0, time.time()))
+        w1, c1 = time.time(), cpu_seconds_of(pids)
+        windows.append((w0, w1))
         s = summarize(variant, q, res.arrival_s, res.done_s, res.ok, res.path_ms)
+        if c0 is not None and c1 is not None and w1 > w0:
+            s = replace(s, cpu_cores=(c1 - c0) / (w1 - w0))
         levels.append(s)
         _append_level(ctx.paths.bench_levels, s)
         raw.append({"qps": q, "request_ids": res.request_ids, "arrival_s": res.arrival_s,
@@ -88,8 +96,15 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
                     "critical_path_ms": res.path_ms})
         _say(f"bench {variant:>5} qps {q:>7g}: achieved {s.achieved_qps:8.2f} req/s, ok {s.success_rate:6.1%}, "
              f"p50 {s.p50_ms:8.2f} ms, p90 {s.p90_ms:8.2f} ms, p99 {s.p99_ms:8.2f} ms ({s.n_requests} requests; "
-             f"critical-path compute p50 {s.path_p50_ms:.2f} ms)")
+             f"critical-path compute p50 {s.path_p50_ms:.2f} ms"
+             + (f"; the {len(pids)} ranks on this node used {s.cpu_cores:.2f} cores)" if s.cpu_cores >= 0 else ")"))
     return {"levels": levels, "raw": raw, "windows": windows}
+
+
+def node_pids(ctx: RankContext) -> list[int]:
+    """The processes of this rank's node's ranks (as published at start), whose CPU a level reports."""
+    me = ctx.hosts[ctx.rank] if ctx.rank < len(ctx.hosts) else None
+    return [job_process(r)[1] for r, h in enumerate(ctx.hosts) if h == me and job_process(r)[1] > 0]
 
 
 def in_run_batch1_ms(batch1: dict[tuple[str, str], list[tuple[float, float]]], variant: str,

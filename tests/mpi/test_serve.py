@@ -7,6 +7,7 @@ triggers the timeout path.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -245,6 +246,11 @@ def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> N
     assert (bench / "latency_vs_qps.png").stat().st_size > 0 and (bench / "throughput_vs_qps.png").exists()
     record = json.loads((bench / "bench.json").read_text())  # what stage=simulate replays: schedule and policy
     assert record["qps"] == [10, 40] and record["spin_us"] == 50.0  # bench mode: mailbox.SPIN_S
+    # each level's CPU of the ranks on the frontend's node (all of them here), read from /proc around the level
+    with open(bench / "levels.csv", newline="") as fh:
+        cores = [float(r["cpu_cores"]) for r in csv.DictReader(fh)]
+    assert len(cores) == 4 and all(0 < c <= (os.cpu_count() or 1) + 0.5 for c in cores), cores
+    assert f"the {n} ranks on this node used" in p.stderr
     import h5py
 
     with h5py.File(bench / "requests.h5") as f:

@@ -131,20 +131,23 @@ def test_summary_shows_the_choice_and_the_simulation_beside_the_bench(tmp_path: 
     c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), _cal(0.3), ServePolicy())
     paths = RunPaths.from_config({}, tmp_path)
     c.plan.save(paths.own_plan)
-    pred = [Predicted("split", "poisson", 2.0, 30, 2.1, 1.0, 2.0, 75.0, 80.0, 90.0, 0.1),
+    pred = [Predicted("split", "poisson", 2.0, 30, 2.1, 1.0, 2.0, 75.0, 80.0, 90.0, 0.1, cpu_cores=1.2),
             Predicted("split", "poisson", 16.0, 160, 16.3, 1.0, 7.0, 900.0, 1200.0, 1500.0, 0.1)]
     measured = [{"variant": "split", "offered_qps": 2.0, "achieved_qps": 1.9, "p50_ms": 80.0, "p99_ms": 100.0,
-                 "success_rate": 1.0},
+                 "success_rate": 1.0, "cpu_cores": "1.5"},
                 {"variant": "split", "offered_qps": 16.0, "achieved_qps": 9.5, "p50_ms": 1000.0, "p99_ms": 2000.0,
                  "success_rate": 1.0}]
     rows = compare_rows(pred, measured, "poisson")
     assert [r["saturated"] for r in rows] == [False, True]  # 9.5 of the 16.3 the schedule offered
     assert verdict(rows[0]) == "met" and verdict(rows[1]) == "MISSED"  # p50 -6 %, p99 -10 %; 7 vs 9.5 req/s -26 %
+    assert rows[0]["cpu_err_pct"] == pytest.approx(-20.0)  # the node's CPU: 1.2 predicted, 1.5 measured cores
+    assert math.isnan(rows[1]["measured_cpu_cores"]) and math.isnan(rows[1]["cpu_err_pct"])  # a level without it
     paths.simulate_dir.mkdir()
     _write_csv(paths.simulate_dir / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
     text = write_summary(paths, {"stages": {}}, switchboard=None, profile=None, plan=paths.own_plan,
                          bench_result=None).read_text()
     assert "## Simulated vs measured" in text and "| split | 2 | 80.00 | 75.00 | -6.2% |" in text
+    assert "| +5.3% | 1.50 | 1.20 | met |" in text and "| -26.3% |  |  | MISSED (saturated) |" in text
     assert "Chosen by prediction at 2.0 req/s within 150.0 ms" in text and "| split (chosen) |" in text
 
 
@@ -176,6 +179,9 @@ def test_a_bench_of_another_plan_or_a_damaged_one_is_not_compared(tmp_path: Path
     paths.bench_record.write_text(json.dumps(rec))
     paths.bench_summary.write_text(row.replace("80", "fast"))
     assert bench_record(paths, paths.own_plan) is None
+    for cpu, good in (("1.5", True), ("", True), ("nan", True), ("-1", False), ("many", False), ("inf", False)):
+        paths.bench_summary.write_text(row.replace("success_rate\n", "success_rate,cpu_cores\n").replace(",1\n", f",1,{cpu}\n"))
+        assert (bench_record(paths, paths.own_plan) is not None) == good, cpu
 
 
 def test_the_simulated_schedule_polls_after_work_as_the_bench_did() -> None:

@@ -320,3 +320,26 @@ def test_ranks_backing_off_take_the_cpu_their_wake_ups_cost_from_a_shared_core()
     assert ms(late, 1.0) == pytest.approx(10.5)  # its first 1 ms at half speed (0.5 ms done), then alone
     r = simulate(chain([0.0, 10.0], idle, cores=(1.0,), policy=quiet), np.array([0.0, 0.05]))
     assert np.all(r.ok)
+
+
+def test_a_nodes_cpu_counts_computing_polling_and_backing_off_ranks_up_to_its_cores() -> None:
+    """SimRun.node_cpu_s (what the bench's measured CPU is set against): one request through a 10 ms and a 5 ms
+    component is 15 ms of a core; a spin after each turn adds its 2 ms per rank that polled (the frontend twice,
+    each component once) while the request was in the pipeline; half a core of backoff adds half of the time it
+    overlaps; on a node with fewer cores than demand the count stops at its cores."""
+    quiet = ServePolicy(spin_us=0.0)
+    r = simulate(chain([10.0, 5.0], free(), cores=(4.0,), policy=quiet), np.array([0.0]))
+    assert r.node_cpu_s[0] == pytest.approx(0.015)
+    spin = simulate(chain([10.0, 5.0], free(), cores=(4.0,), policy=ServePolicy(spin_us=2000.0)), np.array([0.0]))
+    # the frontend polls 2 ms after admitting (then sleeps), c0 2 ms after its batch; c1's batch ends the request:
+    # its spin and the frontend's last one come after the answer, outside the window
+    assert spin.node_cpu_s[0] == pytest.approx(0.015 + 0.002 + 0.002)
+    idle = free(idle_cpu=Curve((0.0, 100.0), (0.0, 50.0)))  # half a core while idle, after the spin
+    back = simulate(chain([10.0, 5.0], idle, cores=(4.0,), policy=quiet), np.array([0.0]))
+    # the frontend backs off for the whole 15 ms, c0 for the 5 ms of c1's batch: 7.5 + 2.5 ms more
+    assert back.node_cpu_s[0] == pytest.approx(0.015 + 0.0075 + 0.0025)
+    one = simulate(chain([10.0, 5.0], idle, cores=(1.0,), policy=quiet), np.array([0.0]))
+    done = float(one.done_s[0])
+    assert one.node_cpu_s[0] == pytest.approx(done)  # demand was above one core the whole time: all of it
+    gpu = simulate(chain([10.0, 5.0], free(), policy=quiet), np.array([0.0]))  # devices: not counted
+    assert gpu.node_cpu_s[0] == 0.0

@@ -27,7 +27,7 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ThreadChoice", "choose_threads", "configure_rank", "cpu_seconds", "usable_cores"]
+__all__ = ["ThreadChoice", "choose_threads", "configure_rank", "cpu_seconds", "cpu_seconds_of", "usable_cores"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,10 +29,26 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   core, and sees a message in that time at once; then it sleeps, and a message waits the hop delay of its
   idle gap; a sleep is never longer than the rank's next timer (the frontend's next arrival or deadline, a
   waiting batch's ``max_wait_ms``): whichever of the ring and the timer comes first ends it;
-- **time-shared CPU** (CPU plans): every turn is work on its node's cores; when the busy and polling ranks'
-  threads exceed the cores each runs at ``cores / threads`` of its speed (processor sharing), and ``k`` ranks
-  computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth); a rank backing off after its
-  spin takes the share of a core its wake-ups cost (``[Note: idle CPU]``).
+- **time-shared CPU** (CPU plans): a rank's turn needs one of its node's cores, and waits in the node's run queue
+  when every core is held (``[Note: run queues]``); the ranks holding cores run at ``cores / threads`` of their
+  speed when the ranks backing off after their spin take a share too (``[Note: idle CPU]``), and ``k`` ranks
+  computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth).
+
+[Note: run queues]
+On a node whose cores the ranks share (a CPU plan), a rank runs only while it holds a core, as under Linux's
+scheduler: a rank whose turn comes (a ring, a timer, a message seen while it spins) takes a free core, or waits
+in the node's run queue, first come first; it keeps its core through its turn, its job and its spin, and gives it
+to the first rank waiting when it sleeps (after its spin, or to wait for a batch).  A rank that has held a core
+for a slice (:func:`sched_slice_s`: EEVDF's 0.75 ms base slice scaled by the number of CPUs, as the kernel does
+by default) while others wait goes to the back of the queue, its job's work left for when it is back; a spinner
+that lost its core polls once when it has it again (and sleeps if its spin's time has passed).  So short turns
+run whole, one after the other (a rank waits for the turns ahead of it), and long jobs share the cores by slices.
+The simulator shared saturated cores finely before (processor sharing), which charged a 30 us turn on a node
+twice over-subscribed some 60 us; a run queue charges it the turns ahead of it.  On the development VM's two cores
+a toy bench's ranks waited 300-800 us per scheduling at 2,048 req/s (``schedstat``).  Against the same benches
+the toy's predicted p50 at 2,048 and 6,000 req/s went from 35-55 % low to 10-18 % low (one level 8 % high), and
+in a later run with a faster hour's calibration from 43-61 % low to 19-42 % low; the wait that is still missing
+is a busy node's slower wake-ups (``docs/simulate.md``, "Run queues").
 
 [Note: idle CPU]
 A rank idle between messages is not free: after its spin the runtime's backoff (``mailbox.Backoff``) sleeps
@@ -71,9 +87,24 @@ STATUS_PENDING = 0
 STATUS_OK = 1  # as runtime.frontend.STATUS_OK
 STATUS_TIMEOUT = 2
 
-_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE, _IDLEW = 0, 1, 2, 3, 4, 5, 6
-_IDLE, _SCHEDULED, _BUSY, _SPINNING = 0, 1, 2, 3  # a rank's states
+_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE, _IDLEW, _SLICE = 0, 1, 2, 3, 4, 5, 6, 7
+_IDLE, _SCHEDULED, _BUSY, _SPINNING, _QUEUED = 0, 1, 2, 3, 4  # a rank's states (_QUEUED: its turn waits for a core)
 _OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
+_Q_TURN, _Q_JOB, _Q_SPIN = 0, 1, 2  # what a rank waiting for a core does once it has one
+BASE_SLICE_S = 0.75e-3  # EEVDF's base slice (Linux 6.6 on: sysctl_sched_base_slice)
+
+
+def sched_slice_s(cores: float) -> float:
+    """The time slice of Linux's scheduler on a node of ``cores`` CPUs: the base slice scaled as the kernel scales it
+    by default (``1 + log2(cpus)``, counting at most 8 CPUs).
+
+    Examples
+    --------
+    >>> [round(sched_slice_s(c) * 1e3, 3) for c in (1, 2, 4, 128)]
+    [0.75, 1.5, 2.25, 3.0]
+    """
+    n = min(8, max(1, int(cores)))
+    return BASE_SLICE_S * (1 + int(math.log2(n)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +227,7 @@ class _Sim:
         self.wk = [_OWN] * n  # what the scheduled turn is (_OWN, _RING, _TIMER)
         self.turn_at = [0.0] * n  # when the scheduled turn comes
         self.tv = [0] * n  # turn versions (a newer scheduled turn makes older ones stale)
-        self.jv = [0] * n  # job versions (processor sharing reschedules a job's end)
+        self.jv = [0] * n  # job versions (a change of its node's rate, or a slice's end, moves a job's end)
         self.last = [0.0] * n  # when the rank last finished work
         self.ran = [0.0] * n  # when the rank's program last finished a batch (its cold extra counts from there)
         self.owed = [0] * n  # messages a rank took in turns that ran no batch: their CPU is paid with the next batch
@@ -209,7 +240,20 @@ class _Sim:
         nodes = max(self.node) + 1
         self.cores = list(s.node_cores) if self.shared else [math.inf] * nodes
         self.jobs: list[dict[int, list[float]]] = [{} for _ in range(nodes)]  # rank -> [work left, threads]
-        self.spinners = [0] * nodes  # ranks polling after work: they take their share of the cores
+        # [Note: run queues]: per node, the ranks holding a core and those waiting for one
+        self.slots = [max(1, round(c)) for c in self.cores] if self.shared else []
+        self.used = [0] * nodes  # cores held (by a turn, a job or a spin)
+        self.runq: list[deque[int]] = [deque() for _ in range(nodes)]
+        self.node_ranks = [[r for r in range(n) if self.node[r] == k] for k in range(nodes)]
+        self.oncore = [False] * n
+        self.qwhat = [_Q_TURN] * n  # what a queued rank does once it has a core
+        self.qwork = [0.0] * n  # a preempted job's work left
+        self.runv = [0] * n  # versions of a rank's hold of a core (a stale slice's end is ignored)
+        self.armed = [-1] * n  # the hold whose slice end is in the heap
+        self.held_since = [0.0] * n
+        self.spin_until = [0.0] * n
+        self.slice_s = sched_slice_s(max(self.cores)) if self.shared else math.inf
+        self.now = 0.0
         self.idle_w = [0.0] * nodes  # the cores' share the backing-off ranks take (``[Note: idle CPU]``)
         self.iw = [0.0] * n  # this rank's share of it now
         self.iv = [0] * n  # idle versions (work ends a rank's backoff)
@@ -285,7 +329,7 @@ class _Sim:
 
     def _reschedule(self, node: int, now: float) -> None:
         jobs = self.jobs[node]
-        threads = sum(j[1] for j in jobs.values()) + self.spinners[node] + self.idle_w[node]
+        threads = self.used[node] + self.idle_w[node]  # the ranks on the cores (computing or spinning), the backoffs
         self.demand[node] = threads
         if not jobs:
             return
@@ -331,21 +375,15 @@ class _Sim:
         return what
 
     def spin(self, r: int, now: float) -> None:
-        """Nothing left to do: the rank polls back to back for ``spin_us`` (taking a core), then sleeps."""
+        """Nothing left to do: the rank polls back to back for ``spin_us`` (on the core it holds), then sleeps."""
         self.last[r] = now
         if self.spin_s <= 0:
-            self.state[r] = _IDLE
-            if self.idle_seg:
-                self.backoff(r, now)
+            self._to_idle(r, now)
             return
         self.state[r] = _SPINNING
         self.sv[r] += 1
+        self.spin_until[r] = now + self.spin_s
         self.push(now + self.spin_s, _SPIN, r, self.sv[r])
-        if self.shared:
-            node = self.node[r]
-            self._advance(node, now)
-            self.spinners[node] += 1
-            self._reschedule(node, now)
 
     def backoff(self, r: int, now: float, k: int = 0) -> None:
         """Span ``k`` of rank ``r``'s backoff begins: it takes that span's share of a core (``[Note: idle CPU]``)."""
@@ -369,13 +407,6 @@ class _Sim:
             self.iw[r] = 0.0
             self._reschedule(node, now)
 
-    def unspin(self, r: int, now: float) -> None:
-        if self.shared:
-            node = self.node[r]
-            self._advance(node, now)
-            self.spinners[node] -= 1
-            self._reschedule(node, now)
-
     def schedule(self, r: int, at: float, kind: int) -> None:
         """The rank's next turn is at ``at`` (any turn scheduled before is stale)."""
         self.state[r] = _SCHEDULED
@@ -385,9 +416,136 @@ class _Sim:
         self.push(at, _TURN, r, self.tv[r])
 
     def turn_now(self, r: int, t: float) -> None:
-        """A spinning rank sees the message (or arrival) at once: no wake-up."""
-        self.unspin(r, t)
-        self.schedule(r, t, _OWN)
+        """A spinning rank sees the message (or arrival) at once: no wake-up (one that lost its core at a slice's end
+        sees it once it has one again)."""
+        self.sv[r] += 1
+        if self.shared and not self.oncore[r]:
+            self.state[r] = _QUEUED
+            self.qwhat[r] = _Q_TURN
+        else:
+            self.schedule(r, t, _OWN)
+
+    def turn(self, r: int, t: float) -> None:
+        """A scheduled turn comes: on a shared node the rank needs a core first (``[Note: run queues]``)."""
+        if self.shared and not self.oncore[r]:
+            node = self.node[r]
+            if self.used[node] >= self.slots[node]:
+                self.state[r] = _QUEUED
+                self._enqueue(r, _Q_TURN, t)
+                return
+            self._hold(r, t)
+        self._run_turn(r, t)
+
+    def _run_turn(self, r: int, t: float) -> None:
+        if self.idle_seg:
+            self.wake(r, t)
+        if r == 0:
+            self.fe_turn(t)
+        else:
+            self.comp_turn(r, t)
+
+    def spin_end(self, r: int, t: float) -> None:
+        """The spin ran out (wall-clock, as ``Backoff``'s) without a message: the rank backs off, then sleeps."""
+        if self.shared and not self.oncore[r]:  # it ran out while the rank waited for a core: it leaves the queue
+            self.runq[self.node[r]].remove(r)
+            self.state[r] = _IDLE
+            if self.idle_seg:
+                self.backoff(r, t)
+            return
+        self._to_idle(r, t)
+
+    def _to_idle(self, r: int, t: float) -> None:
+        self.state[r] = _IDLE
+        self.sv[r] += 1
+        if self.shared:
+            self._release(r, t)
+        if self.idle_seg:
+            self.backoff(r, t)
+
+    # ------------------------------------------------------------------ run queues ([Note: run queues])
+    def _hold(self, r: int, t: float) -> None:
+        """Rank ``r`` takes a free core of its node."""
+        node = self.node[r]
+        self._advance(node, t)
+        self.oncore[r] = True
+        self.used[node] += 1
+        self.runv[r] += 1
+        self.held_since[r] = t
+        if self.runq[node]:
+            self.armed[r] = self.runv[r]
+            self.push(t + self.slice_s, _SLICE, r, self.runv[r])
+        self._reschedule(node, t)
+
+    def _release(self, r: int, t: float) -> None:
+        """Rank ``r`` sleeps: its core goes to the first rank waiting for one."""
+        if not self.oncore[r]:
+            return
+        node = self.node[r]
+        self._advance(node, t)
+        self.oncore[r] = False
+        self.used[node] -= 1
+        self.runv[r] += 1
+        self._reschedule(node, t)
+        self._dispatch(node, t)
+
+    def _enqueue(self, r: int, what: int, t: float) -> None:
+        node = self.node[r]
+        self.qwhat[r] = what
+        self.runq[node].append(r)
+        for o in self.node_ranks[node]:  # whoever holds a core here now has a slice's end
+            if self.oncore[o] and self.armed[o] != self.runv[o]:
+                self.armed[o] = self.runv[o]
+                self.push(max(t, self.held_since[o] + self.slice_s), _SLICE, o, self.runv[o])
+
+    def _dispatch(self, node: int, t: float) -> None:
+        """Free cores go to the waiting ranks, first come first."""
+        q = self.runq[node]
+        while q and self.used[node] < self.slots[node]:
+            r = q.popleft()
+            what = self.qwhat[r]
+            self._hold(r, t)
+            if what == _Q_TURN:
+                self.state[r] = _SCHEDULED
+                self._run_turn(r, t)
+            elif what == _Q_JOB:
+                self._advance(node, t)
+                self.jobs[node][r] = [self.qwork[r], float(self.threads[r])]
+                self._reschedule(node, t)
+            elif self.inbox[r] or (r == 0 and self._fe_has_work(t)):  # a spinner back on a core polls
+                self.sv[r] += 1
+                self.state[r] = _SCHEDULED
+                self.wk[r] = _OWN
+                self._run_turn(r, t)
+            elif t >= self.spin_until[r]:
+                self._to_idle(r, t)
+
+    def _fe_has_work(self, t: float) -> bool:
+        return (self.nxt < len(self.arr) and self.arr[self.nxt] <= t
+                and self.inflight < self.s.policy.max_inflight)
+
+    def slice_end(self, r: int, t: float, version: int) -> None:
+        """Rank ``r`` has held its core a slice: if others wait it goes to the back of the queue."""
+        node = self.node[r]
+        if version != self.runv[r]:
+            return
+        self.armed[r] = -1
+        if not self.runq[node]:
+            return
+        if self.state[r] == _BUSY and r in self.jobs[node]:
+            self._advance(node, t)
+            self.qwork[r] = self.jobs[node].pop(r)[0]
+            self.jv[r] += 1  # its end moves
+            what = _Q_JOB
+        elif self.state[r] == _SPINNING:
+            what = _Q_SPIN
+        else:
+            return
+        self.oncore[r] = False
+        self.used[node] -= 1
+        self.runv[r] += 1
+        self._reschedule(node, t)
+        self._enqueue(r, what, t)
+        self._dispatch(node, t)
 
     def ring(self, r: int, t: float, cross: bool) -> None:
         """A message reached rank ``r`` at ``t``: a polling rank takes it now, a sleeping one when the hop delay
@@ -450,6 +608,7 @@ class _Sim:
         while heap:
             t, _, kind, r, payload = pop(heap)
             events += 1
+            self.now = t
             if kind == _DLV:
                 ids, cross = payload
                 self.inbox[r].append(ids)
@@ -462,18 +621,12 @@ class _Sim:
                         self.comp_done(r, t)
             elif kind == _SPIN:
                 if payload == self.sv[r] and self.state[r] == _SPINNING:
-                    self.state[r] = _IDLE
-                    self.unspin(r, t)
-                    if self.idle_seg:
-                        self.backoff(r, t)
+                    self.spin_end(r, t)
             elif kind == _TURN:
                 if payload == self.tv[r] and self.state[r] == _SCHEDULED:
-                    if self.idle_seg:
-                        self.wake(r, t)
-                    if r == 0:
-                        self.fe_turn(t)
-                    else:
-                        self.comp_turn(r, t)
+                    self.turn(r, t)
+            elif kind == _SLICE:
+                self.slice_end(r, t, payload)
             elif kind == _ARR:  # arrival ``payload`` (a frontend's turn at that instant may have seen it already)
                 self.nxt = max(self.nxt, payload + 1)
                 if self.nxt < n_req:
@@ -624,6 +777,8 @@ class _Sim:
 
     def wait_for_batch(self, r: int) -> None:
         """The rank sleeps until the oldest waiting request's ``max_wait_ms`` (or a message rings it)."""
+        if self.shared:
+            self._release(r, self.now)
         t0 = self.ready[r][0][0]
         due = t0 + self.wait_s
         while due - t0 < self.wait_s:  # the first time the batch is due in floating point (Batcher.due's test)

@@ -1,4 +1,4 @@
-"""The simulator: the runtime's own routing and batching decisions, queueing theory, processor sharing,
+"""The simulator: the runtime's own routing and batching decisions, queueing theory, run queues on shared cores,
 the window and timeouts, grouping, and the systems built from a plan and a profile."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hpcsplit.core.simulator import (
     SimComponent,
     SimRank,
     SimSystem,
+    sched_slice_s,
     simulate,
 )
 from hpcsplit.errors import PlanError
@@ -343,3 +344,44 @@ def test_a_nodes_cpu_counts_computing_polling_and_backing_off_ranks_up_to_its_co
     assert one.node_cpu_s[0] == pytest.approx(done)  # demand was above one core the whole time: all of it
     gpu = simulate(chain([10.0, 5.0], free(), policy=quiet), np.array([0.0]))  # devices: not counted
     assert gpu.node_cpu_s[0] == 0.0
+
+
+def _two_replicas_on_one_core(ms: float) -> SimSystem:
+    """The frontend on a node of its own; one component of two replicas (``ms`` a batch) sharing one core."""
+    ranks = (SimRank(0, 1, -1), SimRank(1, 0, 0, 1, 1, 1.0, (ms,)), SimRank(2, 0, 0, 1, 1, 1.0, (ms,)))
+    comps = (SimComponent("c", 1, ((-1, 64.0),), (1, 2)),)
+    return SimSystem("pair", comps, ((0, 64.0),), 1, ranks, (1.0, 1.0), free(cross_extra=Curve.constant(0.0)),
+                     ServePolicy(spin_us=0.0))
+
+
+def test_short_turns_on_a_full_node_run_whole_in_the_order_they_came() -> None:
+    """[Note: run queues]: two 0.5 ms batches that want the node's one core at once run one after the other (the
+    first answer at 0.5 ms, the second at 1 ms), not side by side at half speed (both at 1 ms)."""
+    r = simulate(_two_replicas_on_one_core(0.5), np.array([0.0, 0.0]))
+    assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([0.5, 1.0])
+
+
+def test_jobs_longer_than_a_slice_share_the_core_by_slices() -> None:
+    """Two 15 ms batches (twenty slices each of a 1-core node's 0.75 ms) take turns a slice at a time: both end
+    near 30 ms, the first at most a slice or two before the second, as a time-sharing kernel runs them (not one
+    at 15 ms and the other at 30, nor both at 30 side by side)."""
+    r = simulate(_two_replicas_on_one_core(15.0), np.array([0.0, 0.0]))
+    lat = sorted(((r.done_s - r.arrival_s) * 1e3).tolist())
+    assert lat[1] == pytest.approx(30.0)
+    assert 30.0 - 2 * sched_slice_s(1.0) * 1e3 <= lat[0] < 30.0
+
+
+def test_a_rank_waiting_for_a_core_sees_every_message_that_came_meanwhile() -> None:
+    """Requests that reach a queued replica while it waits for the core are taken in its one turn (one batch of
+    two, as the runtime's loop takes what its inbox holds), and no request is lost or answered twice."""
+    ranks = (SimRank(0, 1, -1), SimRank(1, 0, 0, 4, 1, 1.0, (1.0, 1.0, 1.0, 1.0)),
+             SimRank(2, 0, 0, 4, 1, 1.0, (1.0, 1.0, 1.0, 1.0)))
+    comps = (SimComponent("c", 1, ((-1, 64.0),), (1, 2)),)
+    s = SimSystem("pair", comps, ((0, 64.0),), 1, ranks, (1.0, 1.0), free(cross_extra=Curve.constant(0.0)),
+                  ServePolicy(spin_us=0.0))
+    trace: list[tuple[int, float, list[int], list[int]]] = []
+    r = simulate(s, np.array([0.0, 0.0, 0.0001, 0.0002]), trace=trace)
+    assert np.all(r.ok)
+    batched = [i for _, _, _, b in trace for i in b]
+    assert sorted(batched) == [0, 1, 2, 3]
+    assert max(len(b) for _, _, _, b in trace) >= 2

@@ -47,8 +47,8 @@ The simulator shared saturated cores finely before (processor sharing), which ch
 twice over-subscribed some 60 us; a run queue charges it the turns ahead of it.  On the development VM's two cores
 a toy bench's ranks waited 300-800 us per scheduling at 2,048 req/s (``schedstat``).  Against the same benches
 the toy's predicted p50 at 2,048 and 6,000 req/s went from 35-55 % low to 10-18 % low (one level 8 % high), and
-in a later run with a faster hour's calibration from 43-61 % low to 19-42 % low; the wait that is still missing
-is a busy node's slower wake-ups (``docs/simulate.md``, "Run queues").
+in a later run with a faster hour's calibration from 43-61 % low to 19-42 % low; a wait per hop on a busy node is
+still missing (``docs/simulate.md``, "Run queues").
 
 [Note: idle CPU]
 A rank idle between messages is not free: after its spin the runtime's backoff (``mailbox.Backoff``) sleeps

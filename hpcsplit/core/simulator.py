@@ -448,13 +448,10 @@ class _Sim:
         """The spin ran out (wall-clock, as ``Backoff``'s) without a message: the rank backs off, then sleeps."""
         if self.shared and not self.oncore[r]:  # it ran out while the rank waited for a core: it leaves the queue
             self.runq[self.node[r]].remove(r)
-            self.state[r] = _IDLE
-            if self.idle_seg:
-                self.backoff(r, t)
-            return
         self._to_idle(r, t)
 
     def _to_idle(self, r: int, t: float) -> None:
+        """The rank sleeps: it gives up its core (if it holds one) and backs off."""
         self.state[r] = _IDLE
         self.sv[r] += 1
         if self.shared:

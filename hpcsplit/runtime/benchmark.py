@@ -104,7 +104,8 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
 def node_pids(ctx: RankContext) -> list[int]:
     """The processes of this rank's node's ranks (as published at start), whose CPU a level reports."""
     me = ctx.hosts[ctx.rank] if ctx.rank < len(ctx.hosts) else None
-    return [job_process(r)[1] for r, h in enumerate(ctx.hosts) if h == me and job_process(r)[1] > 0]
+    pids = [job_process(r)[1] for r, h in enumerate(ctx.hosts) if h == me]
+    return [p for p in pids if p > 0]
 
 
 def in_run_batch1_ms(batch1: dict[tuple[str, str], list[tuple[float, float]]], variant: str,

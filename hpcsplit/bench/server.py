@@ -95,6 +95,15 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+def _code_env(code: Path | None) -> tuple[dict[str, str], str | None]:
+    """The environment and working folder of a server that runs the hpcsplit of checkout ``code`` (None: this
+    one).  The checkout is the working folder as well as ``PYTHONPATH``: ``python -m`` puts the working
+    folder first on ``sys.path``, so a 'base' started from this repository's root would import this code."""
+    if code is None:
+        return _env(), None
+    return dict(_env(), PYTHONPATH=str(code)), str(code)
+
+
 def _start_hpcsplit(tmp: Path, sb: Path, plan: Path, n: int, runtime: dict[str, Any] | None = None,
                     name: str = "server", code: Path | None = None,
                     prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
@@ -108,8 +117,9 @@ def _start_hpcsplit(tmp: Path, sb: Path, plan: Path, n: int, runtime: dict[str, 
                                            "server_queue": 1024, **(runtime or {})}}))
     run = tmp / f"{name}-run"
     with open(tmp / f"{name}.log", "wb") as log:
-        env = _env() if code is None else dict(_env(), PYTHONPATH=str(code))
-        proc = subprocess.Popen([*prefix, *_mpi_cmd(n, cfg, run)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        env, cwd = _code_env(code)
+        proc = subprocess.Popen([*prefix, *_mpi_cmd(n, cfg, run)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=cwd)
     ep = run / "endpoint.json"
     t_end = time.monotonic() + 180
     while not ep.exists():

@@ -4,11 +4,14 @@ better hop's own figures beside them (what any split server reaches at best on t
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from hpcsplit.bench.server import Result, Target
+from hpcsplit.bench.server import Result, Target, _code_env
 from hpcsplit.bench.server_report import report
 
 
@@ -38,3 +41,18 @@ def test_the_report_sets_the_better_hops_cpu_and_rate_beside_the_targets(tmp_pat
     assert ("the better hop on this machine: CPU per request grpc 8: 1.27 x the echo's; unary gRPC at 8 clients "
             "2.07x the base code's rate") in out
     assert (tmp_path / "server_bench.csv").read_text().count("grpc,8,") == len(names)
+
+
+def test_a_base_checkout_is_the_code_its_server_imports_even_run_from_this_repository(tmp_path: Path) -> None:
+    """``--base``: started from this repository's root (where ``python -m`` finds this hpcsplit first), the
+    base server's ranks import the checkout's hpcsplit."""
+    fake = tmp_path / "checkout"
+    (fake / "hpcsplit").mkdir(parents=True)
+    (fake / "hpcsplit" / "__init__.py").write_text("")
+    repo = Path(__file__).resolve().parents[2]
+    env, cwd = _code_env(fake)
+    out = subprocess.run([sys.executable, "-m", "mpi4py", "-c", "import hpcsplit; print(hpcsplit.__file__)"],
+                         env=env, cwd=cwd or repo, capture_output=True, text=True, timeout=60, check=True)
+    assert Path(out.stdout.strip()).resolve() == (fake / "hpcsplit" / "__init__.py").resolve()
+    env, cwd = _code_env(None)  # this checkout's own server runs from wherever the bench does
+    assert cwd is None and env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")

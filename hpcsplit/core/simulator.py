@@ -329,7 +329,9 @@ class _Sim:
 
     def _reschedule(self, node: int, now: float) -> None:
         jobs = self.jobs[node]
-        threads = self.used[node] + self.idle_w[node]  # the ranks on the cores (computing or spinning), the backoffs
+        # the ranks on the cores: a computing one with all its threads, a spinning one or one in its turn with one;
+        # and the backoffs' share
+        threads = sum(j[1] for j in jobs.values()) + (self.used[node] - len(jobs)) + self.idle_w[node]
         self.demand[node] = threads
         if not jobs:
             return
@@ -431,6 +433,8 @@ class _Sim:
             node = self.node[r]
             if self.used[node] >= self.slots[node]:
                 self.state[r] = _QUEUED
+                if self.idle_seg:  # woken: its backoff ends (a rank waiting for a core does not poll)
+                    self.wake(r, t)
                 self._enqueue(r, _Q_TURN, t)
                 return
             self._hold(r, t)
@@ -536,6 +540,9 @@ class _Sim:
         elif self.state[r] == _SPINNING:
             what = _Q_SPIN
         else:
+            if self.state[r] == _SCHEDULED:  # its turn runs at this instant: the slice ends once it has
+                self.armed[r] = self.runv[r]
+                self.push(max(t, self.turn_at[r]), _SLICE, r, self.runv[r])
             return
         self.oncore[r] = False
         self.used[node] -= 1
@@ -768,14 +775,14 @@ class _Sim:
         if self.trace is not None:
             self.trace.append((r, t, [x[1] for x in list(ready)[n_before:]], []))
         if ready:  # a batch waits for max_wait_ms: the rank sleeps until then (or a message rings it)
-            self.wait_for_batch(r)
+            self.wait_for_batch(r, t)
         else:
             self.spin(r, t)
 
-    def wait_for_batch(self, r: int) -> None:
+    def wait_for_batch(self, r: int, t: float) -> None:
         """The rank sleeps until the oldest waiting request's ``max_wait_ms`` (or a message rings it)."""
         if self.shared:
-            self._release(r, self.now)
+            self._release(r, t)
         t0 = self.ready[r][0][0]
         due = t0 + self.wait_s
         while due - t0 < self.wait_s:  # the first time the batch is due in floating point (Batcher.due's test)
@@ -806,6 +813,6 @@ class _Sim:
             self.state[r] = _SCHEDULED
             self.comp_turn(r, t)
         elif ready:
-            self.wait_for_batch(r)
+            self.wait_for_batch(r, t)
         else:
             self.spin(r, t)

@@ -384,4 +384,21 @@ def test_a_rank_waiting_for_a_core_sees_every_message_that_came_meanwhile() -> N
     assert np.all(r.ok)
     batched = [i for _, _, _, b in trace for i in b]
     assert sorted(batched) == [0, 1, 2, 3]
-    assert max(len(b) for _, _, _, b in trace) >= 2
+    # replica 2 waited for the core while replica 1 ran request 0, and took both of its requests in one batch
+    assert [len(b) for r_, _, _, b in trace if r_ == 2] == [2]
+
+
+def test_a_rank_of_several_threads_takes_that_many_cores_of_its_node() -> None:
+    """Two replicas of two threads each computing 10 ms batches at once on a 2-core node run at half speed (20 ms),
+    as four threads on two cores do; with one thread each they have a core each (10 ms)."""
+    def lat(threads: int) -> list[float]:
+        ranks = (SimRank(0, 1, -1), SimRank(1, 0, 0, 1, threads, 1.0, (10.0,)),
+                 SimRank(2, 0, 0, 1, threads, 1.0, (10.0,)))
+        comps = (SimComponent("c", 1, ((-1, 64.0),), (1, 2)),)
+        s = SimSystem("pair", comps, ((0, 64.0),), 1, ranks, (2.0, 1.0), free(cross_extra=Curve.constant(0.0)),
+                      ServePolicy(spin_us=0.0))
+        r = simulate(s, np.array([0.0, 0.0]))
+        return ((r.done_s - r.arrival_s) * 1e3).tolist()
+
+    assert lat(1) == pytest.approx([10.0, 10.0])
+    assert lat(2) == pytest.approx([20.0, 20.0])

@@ -538,6 +538,7 @@ class _Sim:
             self.jv[r] += 1  # its end moves
             what = _Q_JOB
         elif self.state[r] == _SPINNING:
+            self._advance(node, t)  # its spin so far counts as CPU before it leaves the core
             what = _Q_SPIN
         else:
             if self.state[r] == _SCHEDULED:  # its turn runs at this instant: the slice ends once it has

@@ -402,3 +402,21 @@ def test_a_rank_of_several_threads_takes_that_many_cores_of_its_node() -> None:
 
     assert lat(1) == pytest.approx([10.0, 10.0])
     assert lat(2) == pytest.approx([20.0, 20.0])
+
+
+def test_a_spinning_rank_gives_up_its_core_at_a_slices_end_when_another_waits() -> None:
+    """[Note: run queues]: replica 1 computes its 0.5 ms batch, then spins (5 ms, longer than the 1-core node's
+    0.75 ms slice) while replica 2 waits for the core: at the slice's end the spinner goes to the back of the queue
+    and replica 2 runs (its answer at 1.25 ms, not after the spin at 6 ms). The node's CPU counts the spin that
+    held the core (0.5 + 0.25 + 0.5 ms up to the last answer); their spins run out in the queue and nothing is
+    lost."""
+    ranks = (SimRank(0, 1, -1), SimRank(1, 0, 0, 1, 1, 1.0, (0.5,)), SimRank(2, 0, 0, 1, 1, 1.0, (0.5,)))
+    comps = (SimComponent("c", 1, ((-1, 64.0),), (1, 2)),)
+    s = SimSystem("pair", comps, ((0, 64.0),), 1, ranks, (1.0, 1.0), free(cross_extra=Curve.constant(0.0)),
+                  ServePolicy(spin_us=5000.0))
+    r = simulate(s, np.array([0.0, 0.0]))
+    assert np.all(r.ok)
+    assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([0.5, 1.25])
+    assert r.node_cpu_s[0] == pytest.approx(0.00125)
+    later = simulate(s, np.array([0.0, 0.0, 0.003, 0.0031]))  # after the spins were cut by slices
+    assert np.all(later.ok)

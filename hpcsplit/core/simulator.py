@@ -253,7 +253,6 @@ class _Sim:
         self.held_since = [0.0] * n
         self.spin_until = [0.0] * n
         self.slice_s = sched_slice_s(max(self.cores)) if self.shared else math.inf
-        self.now = 0.0
         self.idle_w = [0.0] * nodes  # the cores' share the backing-off ranks take (``[Note: idle CPU]``)
         self.iw = [0.0] * n  # this rank's share of it now
         self.iv = [0] * n  # idle versions (work ends a rank's backoff)
@@ -508,8 +507,7 @@ class _Sim:
             if what == _Q_TURN:
                 self.state[r] = _SCHEDULED
                 self._run_turn(r, t)
-            elif what == _Q_JOB:
-                self._advance(node, t)
+            elif what == _Q_JOB:  # (_hold brought the node up to t)
                 self.jobs[node][r] = [self.qwork[r], float(self.threads[r])]
                 self._reschedule(node, t)
             elif self.inbox[r] or (r == 0 and self._fe_has_work(t)):  # a spinner back on a core polls
@@ -613,7 +611,6 @@ class _Sim:
         while heap:
             t, _, kind, r, payload = pop(heap)
             events += 1
-            self.now = t
             if kind == _DLV:
                 ids, cross = payload
                 self.inbox[r].append(ids)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["ARRIVALS", "BURSTY_CV", "LevelSummary", "arrival_times", "level_arrivals", "summarize"]
+__all__ = ["ARRIVALS", "BURSTY_CV", "LevelSummary", "alone", "arrival_times", "level_arrivals", "summarize"]
 
 ARRIVALS = ("poisson", "constant", "bursty")
 BURSTY_CV = 2.0  # coefficient of variation of the bursty process's gaps (Poisson: 1)
@@ -125,3 +125,30 @@ def summarize(variant: str, offered_qps: float, arrival_s: np.ndarray, done_s: n
             ratio = float(np.median(lat[good] / v[good]))
     return LevelSummary(variant, float(offered_qps), n, n_ok, n_ok / n if n else float("nan"), achieved,
                         p50, p90, p99, mean, span, path, ratio)
+
+
+def alone(arrival_s: np.ndarray, done_s: np.ndarray) -> np.ndarray:
+    """Which requests were the only one in the system from their arrival to their answer (no other request
+    arrived before and answered after their arrival, nor arrived before their answer); a request not answered
+    (``done_s`` NaN) is in the system to the end.
+
+    Such a request ran every component as a batch of one on a pipeline otherwise idle: its critical-path
+    compute is the machine's speed at the time, without queueing or batching.
+
+    Examples
+    --------
+    >>> alone(np.array([0.0, 1.0, 1.5, 3.0]), np.array([0.5, 2.0, 2.2, 3.1])).tolist()
+    [True, False, False, True]
+    """
+    a = np.asarray(arrival_s, dtype=np.float64)
+    d = np.where(np.isfinite(done_s), np.asarray(done_s, dtype=np.float64), np.inf)
+    n = len(a)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    o = np.argsort(a, kind="stable")
+    a, d = a[o], d[o]
+    before = np.concatenate([[-np.inf], np.maximum.accumulate(d)[:-1]])  # the latest answer of those before
+    after = np.concatenate([a[1:], [np.inf]])  # the next arrival
+    out = np.zeros(n, dtype=bool)
+    out[o] = (before <= a) & (d <= after)
+    return out

@@ -25,6 +25,9 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   asleep; every rank's turn costs CPU (per message, per request) and a batch its profiled latency at that
   batch and thread count (or slice), plus the calibrated cold extra after an idle gap (the program's; for the
   frontend's turn after a sleep, the small program's ``compute_cold``), with the profile's spread as jitter;
+- **critical path** (``[Note: critical path in the run]``): a batch's messages carry the longest compute chain
+  behind its requests plus the batch's own compute (its share of the job's wall time, slowed as the node slows
+  it), so ``SimRun.path_ms`` is what the bench's ``critical_path_ms`` measures;
 - **idle policy** (``mailbox.Backoff``): after its work a rank polls back to back for ``spin_us``, taking a
   core, and sees a message in that time at once; then it sleeps, and a message waits the hop delay of its
   idle gap; a sleep is never longer than the rank's next timer (the frontend's next arrival or deadline, a
@@ -157,6 +160,7 @@ class SimRun:
     busy_s: np.ndarray  # per rank: time spent in turns
     events: int
     node_cpu_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per node: CPU used (shared CPU plans)
+    path_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request: compute on its critical path
 
     @property
     def ok(self) -> np.ndarray:
@@ -231,7 +235,8 @@ class _Sim:
         self.last = [0.0] * n  # when the rank last finished work
         self.ran = [0.0] * n  # when the rank's program last finished a batch (its cold extra counts from there)
         self.owed = [0] * n  # messages a rank took in turns that ran no batch: their CPU is paid with the next batch
-        self.inbox: list[list[list[int]]] = [[] for _ in range(n)]
+        self.inbox: list[list[tuple[list[int], float]]] = [[] for _ in range(n)]  # (requests, their path) a message
+        self.pin: list[dict[int, float]] = [{} for _ in range(n)]  # request -> longest path of its messages here
         self.ready: list[deque[tuple[float, int]]] = [deque() for _ in range(n)]
         self.count: list[dict[int, int]] = [{} for _ in range(n)]
         self.job: list[Any] = [None] * n  # what the running job does when it ends
@@ -318,13 +323,13 @@ class _Sim:
             d *= math.exp(sig * self.noise())
         return max(0.0, d / 1e3 - (self.m_cross if cross else self.m_same))
 
-    def send(self, t: float, src: int, dst: int, ids: list[int], nbytes: float) -> None:
+    def send(self, t: float, src: int, dst: int, ids: list[int], nbytes: float, path: float = 0.0) -> None:
         cross = self.node[src] != self.node[dst]
         if cross:
             t += self.m_cross + nbytes / self.bw_cross
         else:
             t += self.m_same + nbytes / self.bw_same
-        self.push(t, _DLV, dst, (ids, cross))
+        self.push(t, _DLV, dst, (ids, cross, path))
 
     def _reschedule(self, node: int, now: float) -> None:
         jobs = self.jobs[node]
@@ -594,6 +599,7 @@ class _Sim:
         self.arr = arr.tolist()
         self.admit = [math.nan] * n_req
         self.done = [math.nan] * n_req
+        self.path = [0.0] * n_req
         self.status = [STATUS_PENDING] * n_req
         self.routes: list[tuple[int, ...]] = [()] * n_req
         self.missing = [0] * n_req
@@ -612,8 +618,8 @@ class _Sim:
             t, _, kind, r, payload = pop(heap)
             events += 1
             if kind == _DLV:
-                ids, cross = payload
-                self.inbox[r].append(ids)
+                ids, cross, path = payload
+                self.inbox[r].append((ids, path))
                 self.ring(r, t, cross)
             elif kind == _DONE:
                 if payload == self.jv[r] and self.job[r] is not None:
@@ -649,8 +655,9 @@ class _Sim:
                     else:
                         self.arm_deadline(t)  # the one armed for finished: the oldest still in flight
         done = np.asarray(self.done)
+        path = np.where(np.isfinite(done), np.asarray(self.path) * 1e3, np.nan)
         return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
-                      np.asarray(self.busy), events, np.asarray(self.cpu_at or self.cpu))
+                      np.asarray(self.busy), events, np.asarray(self.cpu_at or self.cpu), path)
 
     # ------------------------------------------------------------------ the frontend
     def fe_turn(self, t: float) -> None:
@@ -678,10 +685,12 @@ class _Sim:
                 out.setdefault((ci, route[ci]), []).append(i)
         finished: list[int] = []
         n_in = len(self.inbox[0])
-        for ids in self.inbox[0]:
+        path = self.path
+        for ids, p in self.inbox[0]:
             for i in ids:
                 if status[i] == STATUS_PENDING and self.missing[i] > 0:
                     self.missing[i] -= 1
+                    path[i] = max(path[i], p)
                     if self.missing[i] == 0:
                         finished.append(i)
         self.inbox[0] = []
@@ -736,14 +745,18 @@ class _Sim:
         ready = self.ready[r]
         n_in = len(self.inbox[r])
         n_before = len(ready)
+        pin = self.pin[r]
         if need == 1:
-            for ids in self.inbox[r]:
+            for ids, p in self.inbox[r]:
                 for i in ids:
                     ready.append((t, i))
+                    pin[i] = p
         else:
             cnt = self.count[r]
-            for ids in self.inbox[r]:
+            for ids, p in self.inbox[r]:
                 for i in ids:
+                    if p > pin.get(i, -1.0):
+                        pin[i] = p
                     k = cnt.get(i, 0) + 1
                     if k >= need:
                         cnt.pop(i, None)
@@ -766,7 +779,8 @@ class _Sim:
             sends = self.outputs(c, ids)
             work = comp + self.c_msg * (n_in + self.owed[r] + len(sends)) + self.c_req * b
             self.owed[r] = 0
-            self.start_job(r, t, work, sends)
+            # [Note: critical path in the run]: the batch's messages carry its longest input path + its compute
+            self.start_job(r, t, work, (sends, max([pin.pop(i) for i in ids]), comp / work if work > 0 else 0.0))
             return
         self.last[r] = t
         self.owed[r] += n_in
@@ -803,8 +817,11 @@ class _Sim:
         return out
 
     def comp_done(self, r: int, t: float) -> None:
-        for dst, ids, nbytes in self.end_job(r, t):
-            self.send(t, r, dst, ids, nbytes)
+        t0 = self.job[r][0]
+        sends, path, share = self.end_job(r, t)
+        path += (t - t0) * share  # the compute's part of the job's wall time (as the runtime times the program call)
+        for dst, ids, nbytes in sends:
+            self.send(t, r, dst, ids, nbytes, path)
         self.last[r] = self.ran[r] = t
         ready = self.ready[r]
         if self.inbox[r] or (ready and (len(ready) >= self.bs[r] or t - ready[0][0] >= self.wait_s)):

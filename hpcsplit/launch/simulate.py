@@ -11,11 +11,24 @@ and predicted and measured figures are written side by side (``simulate/compare.
 
 Files under ``RUN_DIR/simulate/``: ``predicted.csv`` (variant, arrival, offered load, achieved, p50/p90/p99),
 ``compare.csv`` (with a bench), ``latency_vs_qps.png``, ``throughput_vs_qps.png``.
+
+[Note: the level's speed]
+A prediction is made from the profile, measured minutes or days before; a shared machine computes 5-20 % slower or
+faster from one minute to the next (the development VM: CLIP's vision tower alone took 143 ms in one level of a
+bench and 167 ms in the next), more than the 10 % a p50 is judged by.  So each compared level also says how fast
+the machine computed in it: the bench measures every request's critical-path compute (``[Note: critical path in
+the run]``; the simulator carries the same figure through its batches), and ``compute_ratio`` is the measured p50
+of it over the simulated one.  It is 1 when the machine ran at the profile's speed and the model batched as the
+runtime did.  The level is then simulated again with every component's compute times that ratio
+(``at_speed_*``, ``target_at_speed``): what the model predicts had it known the machine's speed in that level.  A
+miss that disappears at the level's speed is the machine's drift; one that stays is the model's.  The verdict
+that counts is the plain prediction's.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import math
@@ -27,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from hpcsplit.core.calibration import Calibration, calibration_for
+from hpcsplit.core.calibration import Calibration, Curve, calibration_for
 from hpcsplit.core.cluster import ClusterSpec
-from hpcsplit.core.load import ARRIVALS, level_arrivals, summarize
+from hpcsplit.core.load import ARRIVALS, alone, level_arrivals, summarize
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import ComponentProfile, read_profile
@@ -49,6 +62,8 @@ VARIANTS = ("whole", "split")
 SATURATED = 0.9  # a measured level whose achieved rate is below this share of what its schedule offers is saturated
 RUN_REQUESTS = 2000  # a level is simulated ``runs`` times, or fewer once that many requests were simulated
 MAX_RECORD_BYTES = 1 << 20  # bench/bench.json is a few hundred bytes
+MAX_REQUESTS_BYTES = 1 << 30  # bench/requests.h5: some 40 bytes a request
+MIN_ALONE = 5  # requests alone in the system a level needs, measured and simulated, to give its speed
 TARGET_PCT = {"p50_ms": 10.0, "p99_ms": 20.0, "qps": 10.0}  # the issue's: p50, p99 below saturation; throughput past it
 
 
@@ -126,29 +141,38 @@ class Predicted:
     p99_ms: float
     sim_s: float  # wall seconds the simulations of this level took
     cpu_cores: float = float("nan")  # CPU of the frontend's node over the level, in cores (CPU plans; NaN: GPUs)
+    path_p50_ms: float = float("nan")  # compute on a request's critical path, p50 (the bench's path_p50_ms)
+    alone_path_p50_ms: float = float("nan")  # ... of the requests alone in the system (every run's, pooled)
+    alone_n: int = 0  # how many those were
 
 
 def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequence[str], runs: int,
             seed: int = 0) -> list[Predicted]:
     """Simulate every variant x arrival process x level of ``schedule`` ``runs`` times (fewer for a level of many
     requests: at least :data:`RUN_REQUESTS` requests in all); medians per level."""
-    out = []
-    for variant, system in systems.items():
-        for kind in arrivals:
-            for i, q in enumerate(schedule.qps):
-                arr = level_arrivals(q, i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
-                t0 = time.perf_counter()
-                ss, cpu = [], []
-                span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
-                for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
-                    r = simulate(system, arr, seed=seed + 1000 * k + i)
-                    ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok))
-                    cpu.append(node_cpu_cores(system, r))
-                med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
-                       for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms")}
-                out.append(Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
-                                     sim_s=time.perf_counter() - t0, cpu_cores=float(np.median(cpu)), **med))
-    return out
+    return [predict_level(variant, system, schedule, kind, i, runs, seed)
+            for variant, system in systems.items() for kind in arrivals for i in range(len(schedule.qps))]
+
+
+def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str, i: int, runs: int,
+                  seed: int = 0) -> Predicted:
+    """Level ``i`` of ``schedule`` (its own arrivals and seeds, as :func:`predict` draws them)."""
+    q = schedule.qps[i]
+    arr = level_arrivals(q, i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
+    t0 = time.perf_counter()
+    ss, cpu, lone = [], [], []
+    span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
+    for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
+        r = simulate(system, arr, seed=seed + 1000 * k + i)
+        ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok, r.path_ms))
+        cpu.append(node_cpu_cores(system, r))
+        lone.append(r.path_ms[alone(r.arrival_s, r.done_s) & r.ok])
+    med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
+           for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms", "path_p50_ms")}
+    pooled = np.concatenate(lone)
+    return Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
+                     sim_s=time.perf_counter() - t0, cpu_cores=float(np.median(cpu)),
+                     alone_path_p50_ms=float(np.median(pooled)) if len(pooled) else math.nan, alone_n=len(pooled), **med)
 
 
 def node_cpu_cores(system: SimSystem, run: SimRun) -> float:
@@ -162,12 +186,15 @@ def node_cpu_cores(system: SimSystem, run: SimRun) -> float:
     return float(run.node_cpu_s[node]) / t if t > 0 else float("nan")
 
 
-def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str) -> list[dict[str, Any]]:
+def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str,
+                 alone_measured: Mapping[tuple[str, float], tuple[float, int]] | None = None) -> list[dict[str, Any]]:
     """Predicted beside measured per (variant, level) of the bench's arrival process, with the errors.
 
     A level whose measured achieved rate is below :data:`SATURATED` of what its schedule offers (its requests over
     its span: a Poisson schedule of 30 requests offers 20 % more or less than the nominal rate) is *saturated*: its
-    throughput is compared; the others' p50 and p99.
+    throughput is compared; the others' p50 and p99.  ``alone_measured``: per (variant, level), the critical-path
+    compute p50 of the requests that were alone in the system, and their number (:func:`measured_alone_paths`),
+    which gives ``compute_ratio`` (``[Note: the level's speed]``).
     """
     by = {(p.variant, p.offered_qps): p for p in pred if p.arrival == arrival}
     rows = []
@@ -178,6 +205,8 @@ def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]
             continue
         mq, m50, m99 = float(m["achieved_qps"]), float(m["p50_ms"]), float(m["p99_ms"])
         mc = float(m.get("cpu_cores") or "nan")  # (a bench before the column: not measured)
+        mp = float(m.get("path_p50_ms") or "nan")  # (a bench before the column: not measured)
+        ma, na = (alone_measured or {}).get(key, (math.nan, 0))
         saturated = mq < SATURATED * p.schedule_qps
         rows.append({
             "variant": key[0], "offered_qps": key[1], "saturated": saturated,
@@ -186,8 +215,24 @@ def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]
             "measured_p99_ms": m99, "predicted_p99_ms": p.p99_ms, "p99_err_pct": err_pct(p.p99_ms, m99),
             "measured_ok": float(m["success_rate"]), "predicted_ok": p.success_rate,
             "measured_cpu_cores": mc, "predicted_cpu_cores": p.cpu_cores, "cpu_err_pct": err_pct(p.cpu_cores, mc),
+            "measured_path_p50_ms": mp, "predicted_path_p50_ms": p.path_p50_ms,
+            "measured_alone_path_p50_ms": ma, "measured_alone_n": na,
+            "predicted_alone_path_p50_ms": p.alone_path_p50_ms, "predicted_alone_n": p.alone_n,
+            "compute_ratio": speed_ratio(ma, p.alone_path_p50_ms) if min(na, p.alone_n) >= MIN_ALONE else math.nan,
         })
     return rows
+
+
+def speed_ratio(measured_path_ms: float, predicted_path_ms: float) -> float:
+    """How much slower the level computed than the model said: the measured critical-path compute p50 of the requests
+    alone in the system over the simulated one (``[Note: the level's speed]``); NaN when either is missing or not
+    positive.
+
+    >>> speed_ratio(159.4, 139.7) > 1.1, math.isnan(speed_ratio(float("nan"), 10.0))
+    (True, True)
+    """
+    ok = all(np.isfinite(x) and x > 0 for x in (measured_path_ms, predicted_path_ms))
+    return measured_path_ms / predicted_path_ms if ok else float("nan")
 
 
 def err_pct(pred: float, meas: float) -> float:
@@ -215,10 +260,24 @@ def format_compare(rows: Sequence[Mapping[str, Any]]) -> str:
             f"{r['p99_err_pct']:>+6.1f}% | {r['measured_qps']:>10.2f} {r['predicted_qps']:>9.2f} "
             f"{r['qps_err_pct']:>+6.1f}% | {r.get('measured_cpu_cores', math.nan):>8.2f} "
             f"{r.get('predicted_cpu_cores', math.nan):>5.2f} | {verdict(r)}"
-            f"{' (saturated: throughput)' if r['saturated'] else ''}")
+            f"{' (saturated: throughput)' if r['saturated'] else ''}{_at_speed_text(r)}")
     lines.append("CPU: cores the ranks on the frontend's node used over the level (measured from /proc; predicted: the "
                  "simulated node's computing, polling and backing-off ranks); not a target, a reading of the model")
+    if any(math.isfinite(float(r.get("compute_ratio", math.nan))) for r in rows):
+        lines.append("compute xF: the level's critical-path compute p50, measured / simulated (how much slower the "
+                     "machine computed than the profile); 'at that speed': the same level simulated with every "
+                     "component's compute times F, the errors and verdict of that prediction (a reading of the "
+                     "model without the machine's drift; the verdict above is the one that counts)")
     return "\n".join(lines)
+
+
+def _at_speed_text(r: Mapping[str, Any]) -> str:
+    f = float(r.get("compute_ratio", math.nan))
+    if not math.isfinite(float(r.get("at_speed_p50_ms", math.nan))):
+        return ""
+    figs = (f"req/s {r['at_speed_qps_err_pct']:+.1f}%" if r["saturated"] else
+            f"p50 {r['at_speed_p50_err_pct']:+.1f}%, p99 {r['at_speed_p99_err_pct']:+.1f}%")
+    return f" | compute x{f:.2f}, at that speed {figs}: {verdict_at_speed(r)}"
 
 
 def format_predicted(pred: Sequence[Predicted]) -> str:
@@ -268,6 +327,46 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
               "simulating the configured levels without a comparison", flush=True)
         return None
     return rec, rows
+
+
+def measured_alone_paths(path: Path) -> dict[tuple[str, float], tuple[float, int]]:
+    """Per (variant, level) of a bench's ``requests.h5``: the critical-path compute p50 (ms) of the requests that were
+    alone in the system (:func:`hpcsplit.core.load.alone`) and how many there were; ``{}`` (said) when the file is
+    missing or not as the bench writes it.  Reads datasets only, checks every value."""
+    if not path.is_file():
+        return {}
+    try:
+        import h5py
+
+        if path.stat().st_size > MAX_REQUESTS_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than {MAX_REQUESTS_BYTES}")
+        out: dict[tuple[str, float], tuple[float, int]] = {}
+        with h5py.File(path, "r") as f:
+            for variant in VARIANTS:
+                g = f.get(variant)
+                if not isinstance(g, h5py.Group):
+                    continue
+                for name, lvl in g.items():
+                    if not (isinstance(lvl, h5py.Group) and name.startswith("qps_")):
+                        continue
+                    q = float(name[4:])
+                    cols = {}
+                    for k in ("arrival_s", "done_s", "critical_path_ms", "status"):
+                        d = lvl.get(k)
+                        if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype.kind not in "fiu" or d.size > 10**8:
+                            raise ValueError(f"{variant}/{name}/{k}: not a 1-D numeric dataset")
+                        cols[k] = np.asarray(d[()], dtype=np.float64)
+                    if len({len(v) for v in cols.values()}) != 1 or not np.isfinite(cols["arrival_s"]).all():
+                        raise ValueError(f"{variant}/{name}: columns of different lengths or arrivals not finite")
+                    ok = cols["status"] == 1  # runtime.frontend.STATUS_OK
+                    done = np.where(ok, cols["done_s"], np.nan)
+                    v = cols["critical_path_ms"][alone(cols["arrival_s"], done) & ok]
+                    v = v[np.isfinite(v) & (v > 0)]
+                    out[(variant, q)] = (float(np.median(v)) if len(v) else math.nan, len(v))
+        return out
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+        print(f"{path}: not as the bench writes it ({type(e).__name__}: {e}); no level's speed", flush=True)
+        return {}
 
 
 def _within(v: Any, what: str, lo: float, hi: float, whole: bool = False) -> None:
@@ -344,7 +443,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                               "schedule": sched.source, "predicted": [asdict(p) for p in pred],
                               "simulate_s": time.perf_counter() - t0, "dir": str(out)}
     if bench is not None:
-        rows = compare_rows(pred, bench[1], sched.arrival)
+        rows = compare_rows(pred, bench[1], sched.arrival, measured_alone_paths(paths.bench_dir / "requests.h5"))
         scale = floor_scale(paths)
         if scale:  # the same simulation with the profile moved to the machine's speed during the bench
             now = predict(systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy,
@@ -362,7 +461,9 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                   + ", ".join(f"{c} {f:.2f}x the profile" for c, f in scale.items())
                   + "; predictions with the profile moved to that speed are the predicted_now_* columns of compare.csv",
                   flush=True)
-        _write_csv(out / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
+        at_speed(rows, plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched, float(cluster.cores_per_node),
+                 sha, s.runs, s.seed)
+        _write_csv(out / "compare.csv", [{**r, "target": verdict(r), "target_at_speed": verdict_at_speed(r)} for r in rows])
         table = format_compare(rows)
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
         result.update(compare=rows, compare_table=table)
@@ -372,6 +473,37 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         print(f"could not plot: {e}", flush=True)
     _refresh_summary(paths)
     return result
+
+
+def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph,
+             cal: Calibration, sched: Schedule, cores: float, sha: str | None, runs: int, seed: int) -> None:
+    """Add to each compared level the prediction with every component's compute (its profile and its cold extras)
+    moved by the level's ``compute_ratio`` (``[Note: the level's speed]``): the ``at_speed_*`` columns, NaN where the
+    ratio is unknown."""
+    for r in rows:
+        f = float(r.get("compute_ratio", math.nan))
+        p = None
+        if math.isfinite(f) and 0 < f < 1e6 and r["offered_qps"] in sched.qps:
+            system = build_system(plan, profiles, graph, cal, sched.policy, variant=r["variant"], cores_per_node=cores,
+                                  switchboard_sha256=sha, scale=dict.fromkeys(graph.names, f))
+            # the machine computes f times slower: the programs' cold extras too
+            system = dataclasses.replace(system, ranks=tuple(
+                k if k.component < 0 else dataclasses.replace(k, cold=Curve(k.cold.gaps_ms, tuple(v * f for v in k.cold.values_ms)))
+                for k in system.ranks))
+            p = predict_level(r["variant"], system, sched, sched.arrival, sched.qps.index(r["offered_qps"]), runs, seed)
+        for k, field_, meas in (("p50_ms", "p50_ms", "measured_p50_ms"), ("p99_ms", "p99_ms", "measured_p99_ms"),
+                                ("qps", "achieved_qps", "measured_qps")):
+            v = getattr(p, field_) if p is not None else math.nan
+            r[f"at_speed_{k}"] = v
+            r[f"at_speed_{k.removesuffix('_ms')}_err_pct"] = err_pct(v, r[meas])
+
+
+def verdict_at_speed(row: Mapping[str, Any]) -> str:
+    """:func:`verdict` of the prediction at the level's own speed (``""`` where it is unknown)."""
+    if not math.isfinite(float(row.get("at_speed_p50_ms", math.nan))):
+        return ""
+    return verdict({"saturated": row["saturated"], "qps_err_pct": row["at_speed_qps_err_pct"],
+                    "p50_err_pct": row["at_speed_p50_err_pct"], "p99_err_pct": row["at_speed_p99_err_pct"]})
 
 
 def _refresh_summary(paths: RunPaths) -> None:

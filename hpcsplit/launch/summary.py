@@ -192,8 +192,8 @@ def _simulate(paths: RunPaths) -> list[str]:
                    ("`stage=simulate` of this plan beside the bench (the bench's own levels and schedule; p50 within "
                    "10 % and p99 within 20 % below saturation, throughput within 10 % past it)."), "",
                    ("| variant | QPS | p50 ms measured | predicted | error | p99 ms measured | predicted | error "
-                   "| req/s measured | predicted | error | CPU cores measured | predicted | target |"),
-                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                   "| req/s measured | predicted | error | CPU cores measured | predicted | target | at the level's speed |"),
+                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
             for r in rows:
                 out.append(
                     f"| {r['variant']} | {float(r['offered_qps']):g} | {float(r['measured_p50_ms']):.2f} | "
@@ -202,9 +202,14 @@ def _simulate(paths: RunPaths) -> list[str]:
                     f"{float(r['p99_err_pct']):+.1f}% | {float(r['measured_qps']):.2f} | {float(r['predicted_qps']):.2f} | "
                     f"{float(r['qps_err_pct']):+.1f}% | {_cores(r.get('measured_cpu_cores'))} | "
                     f"{_cores(r.get('predicted_cpu_cores'))} | {r['target']}"
-                    f"{' (saturated)' if r['saturated'] == 'True' else ''} |")
+                    f"{' (saturated)' if r['saturated'] == 'True' else ''} | {_at_speed(r)} |")
             out += ["", ("CPU cores: what the ranks on the frontend's node used over the level (the bench reads /proc; the "
-                         "simulation counts its computing, polling and backing-off ranks); empty where not known.")]
+                         "simulation counts its computing, polling and backing-off ranks); empty where not known."),
+                    "", ("At the level's speed: the critical-path compute of the level's requests that were alone in the "
+                         "system, measured over simulated (xF: how much slower the machine computed than the profile), and "
+                         "the level simulated again with every component's compute times F: its p50 / p99 (or req/s) "
+                         "errors and verdict. A miss that disappears there is the machine's drift, one that stays the "
+                         "model's; empty where too few requests ran alone. The target column is the one that counts.")]
             return out
         if predicted.is_file():
             with open(predicted, newline="") as fh:
@@ -219,6 +224,20 @@ def _simulate(paths: RunPaths) -> list[str]:
     except (OSError, KeyError, ValueError) as e:  # a summary never fails the run
         return ["## Simulated", "", f"`{folder}` could not be read: {e}"]
     return []
+
+
+def _at_speed(r: Mapping[str, Any]) -> str:
+    """``x1.19: -4% / +1% met`` from a compare.csv row (``[Note: the level's speed]``); empty when not known."""
+    try:
+        f = float(r.get("compute_ratio") or "nan")
+        if not (math.isfinite(f) and math.isfinite(float(r.get("at_speed_p50_ms") or "nan"))):
+            return ""
+        if r["saturated"] == "True":
+            return f"x{f:.2f}: {float(r['at_speed_qps_err_pct']):+.1f}% {r.get('target_at_speed', '')}"
+        return (f"x{f:.2f}: {float(r['at_speed_p50_err_pct']):+.1f}% / {float(r['at_speed_p99_err_pct']):+.1f}% "
+                f"{r.get('target_at_speed', '')}")
+    except (KeyError, ValueError):
+        return ""
 
 
 def _stages(manifest: Mapping[str, Any]) -> list[str]:

@@ -143,11 +143,14 @@ def test_summary_shows_the_choice_and_the_simulation_beside_the_bench(tmp_path: 
     assert rows[0]["cpu_err_pct"] == pytest.approx(-20.0)  # the node's CPU: 1.2 predicted, 1.5 measured cores
     assert math.isnan(rows[1]["measured_cpu_cores"]) and math.isnan(rows[1]["cpu_err_pct"])  # a level without it
     paths.simulate_dir.mkdir()
+    rows[0].update(compute_ratio=1.19, at_speed_p50_ms=80.6, at_speed_p50_err_pct=0.75, at_speed_p99_err_pct=-0.9,
+                   target_at_speed="met")  # the level simulated at its speed ([Note: the level's speed])
     _write_csv(paths.simulate_dir / "compare.csv", [{**r, "target": verdict(r)} for r in rows])
     text = write_summary(paths, {"stages": {}}, switchboard=None, profile=None, plan=paths.own_plan,
                          bench_result=None).read_text()
     assert "## Simulated vs measured" in text and "| split | 2 | 80.00 | 75.00 | -6.2% |" in text
-    assert "| +5.3% | 1.50 | 1.20 | met |" in text and "| -26.3% |  |  | MISSED (saturated) |" in text
+    assert "| +5.3% | 1.50 | 1.20 | met | x1.19: +0.8% / -0.9% met |" in text
+    assert "| -26.3% |  |  | MISSED (saturated) |  |" in text
     assert "Chosen by prediction at 2.0 req/s within 150.0 ms" in text and "| split (chosen) |" in text
 
 
@@ -241,3 +244,35 @@ def test_a_candidate_that_answered_nothing_is_strict_json_in_the_plan_and_summar
     assert last["p50_ms"] is None and last["p99_ms"] is None and last["note"] == [None, 1.0]
     table = "\n".join(_plan(path))
     assert f"| {last['candidate']}" in table and "| - | - |" in table
+
+
+def test_a_level_simulated_at_its_speed_moves_with_it_and_is_judged_on_its_own() -> None:
+    """``[Note: the level's speed]``: a level whose requests alone computed twice as slow as simulated is simulated
+    again with twice the compute; a level whose speed is not known gets no such prediction."""
+    from hpcsplit.launch.simulate import (
+        MIN_ALONE,
+        Schedule,
+        at_speed,
+        compare_rows,
+        predict,
+        systems_for,
+        verdict_at_speed,
+    )
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    graph, cal = _two_towers(), _cal(0.3)
+    plan = choose(prof, CPU4, _settings(2, 150.0), graph, cal, ServePolicy()).plan
+    sched = Schedule((1.0, 2.0), 10.0, 20, "poisson", 0, ServePolicy(), "bench")
+    systems = systems_for(plan, prof.components, graph, cal, sched.policy, ("split",), 8.0, None)
+    pred = predict(systems, sched, ("poisson",), 1)
+    assert all(p.alone_n >= MIN_ALONE and p.alone_path_p50_ms > 0 for p in pred)
+    measured = [{"variant": "split", "offered_qps": p.offered_qps, "achieved_qps": p.achieved_qps,
+                 "p50_ms": 2 * p.p50_ms, "p99_ms": 2 * p.p99_ms, "success_rate": 1.0} for p in pred]
+    alone_meas = {("split", 1.0): (2 * pred[0].alone_path_p50_ms, 10)}  # level 1 computed at half speed; 2: unknown
+    rows = compare_rows(pred, measured, "poisson", alone_meas)
+    at_speed(rows, plan, prof.components, graph, cal, sched, 8.0, None, 1, 0)
+    slow, unknown = rows
+    assert slow["compute_ratio"] == pytest.approx(2.0)
+    assert 1.8 < slow["at_speed_p50_ms"] / slow["predicted_p50_ms"] < 2.05  # compute doubled, the hops did not
+    assert abs(slow["at_speed_p50_err_pct"]) < 10 and verdict_at_speed(slow) == "met"
+    assert math.isnan(unknown["at_speed_p50_ms"]) and verdict_at_speed(unknown) == ""

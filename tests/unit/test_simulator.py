@@ -15,6 +15,7 @@ from hpcsplit.allocation.synthetic import make_profile
 from hpcsplit.core.calibration import Calibration, Curve, Link
 from hpcsplit.core.load import arrival_times, summarize
 from hpcsplit.core.policy import ReplicaRouter
+from hpcsplit.core.profile_format import Profile
 from hpcsplit.core.sim_model import SimGraph, build_system, grouped, latency_table
 from hpcsplit.core.simulator import (
     STATUS_OK,
@@ -124,13 +125,19 @@ def test_hops_and_the_frontend_timer_add_up_on_an_idle_chain() -> None:
     assert lat == pytest.approx([0.2 + 3 * 0.5] * 5)  # timer, then frontend -> c0 -> c1 -> frontend
 
 
-def test_ranks_sharing_one_core_take_turns() -> None:
+def _branches(a_ms: float, b_ms: float, h_ms: float) -> tuple[SimGraph, Profile]:
+    """Two branches ``a`` and ``b`` side by side, joined by ``h``; a CPU profile of those batch-1 latencies."""
     g = SimGraph(("x",), (("a", ("x",), ("p",)), ("b", ("x",), ("q",)), ("h", ("p", "q"), ("y",))),
                  (("input", "x", "a", "x"), ("input", "x", "b", "x"), ("a", "p", "h", "p"), ("b", "q", "h", "q"),
                   ("h", "y", "output", "y")), {"x": 4, "p": 4, "q": 4, "y": 4})
     prof = make_profile({c: {"latency_ms": [[ms]], "peak_mem_bytes": [[1.0]], "utilization": [[0.5]]}
-                         for c, ms in (("a", 10.0), ("b", 10.0), ("h", 0.0))},
+                         for c, ms in (("a", a_ms), ("b", b_ms), ("h", h_ms))},
                         batch_sizes=(1,), slices=(1.0,), device_kind="cpu")
+    return g, prof
+
+
+def test_ranks_sharing_one_core_take_turns() -> None:
+    g, prof = _branches(10.0, 10.0, 0.0)
     plan = _toy_plan(["a", "b", "h"])
     lat = {}
     quiet = ServePolicy(spin_us=0.0)  # no polling after work: only the two branches want the core
@@ -420,3 +427,21 @@ def test_a_spinning_rank_gives_up_its_core_at_a_slices_end_when_another_waits() 
     assert r.node_cpu_s[0] == pytest.approx(0.00125)
     later = simulate(s, np.array([0.0, 0.0, 0.003, 0.0031]))  # after the spins were cut by slices
     assert np.all(later.ok)
+
+
+def test_a_requests_critical_path_compute_is_its_longest_chain_of_batches_without_its_waits() -> None:
+    """``SimRun.path_ms`` is what the bench's ``critical_path_ms`` measures (``[Note: critical path in the run]``):
+    the longest chain of batch compute behind a request's answer, not the hops or the queueing in between."""
+    cal = free(hop=Curve.constant(0.5), hop_p90=Curve.constant(0.5))
+    r = simulate(chain([3.0, 5.0], cal), np.array([0.0, 1.0]))
+    assert r.path_ms == pytest.approx([8.0, 8.0])
+    assert ((r.done_s - r.arrival_s) * 1e3) == pytest.approx([9.5, 9.5])  # three hops besides
+    q = simulate(chain([5.0], free()), np.zeros(2))  # the second waits for the first's batch: not compute
+    assert ((q.done_s - q.arrival_s) * 1e3) == pytest.approx([5.0, 10.0]) and q.path_ms == pytest.approx([5.0, 5.0])
+    g, prof = _branches(10.0, 20.0, 1.0)
+    s = build_system(_toy_plan(["a", "b", "h"]), prof.components, g, free(), ServePolicy(spin_us=0.0),
+                     cores_per_node=2)
+    assert simulate(s, np.array([0.0])).path_ms == pytest.approx([21.0])  # the longer branch, then the join
+    one = build_system(_toy_plan(["a", "b", "h"]), prof.components, g, free(), ServePolicy(spin_us=0.0),
+                       cores_per_node=1)
+    assert simulate(one, np.array([0.0])).path_ms[0] > 21.0  # branches sharing one core compute slower: it counts

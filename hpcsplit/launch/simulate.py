@@ -206,7 +206,8 @@ def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]
         mq, m50, m99 = float(m["achieved_qps"]), float(m["p50_ms"]), float(m["p99_ms"])
         mc = float(m.get("cpu_cores") or "nan")  # (a bench before the column: not measured)
         mp = float(m.get("path_p50_ms") or "nan")  # (a bench before the column: not measured)
-        ma, na = (alone_measured or {}).get(key, (math.nan, 0))
+        ma, na = next((v for (av, aq), v in (alone_measured or {}).items()
+                       if av == key[0] and math.isclose(aq, key[1], rel_tol=1e-5)), (math.nan, 0))  # (names keep 6 digits)
         saturated = mq < SATURATED * p.schedule_qps
         rows.append({
             "variant": key[0], "offered_qps": key[1], "saturated": saturated,
@@ -468,7 +469,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
         result.update(compare=rows, compare_table=table)
     try:
-        result["plots"] = _plot(out, pred, bench[1] if bench else [], sched.arrival)
+        result["plots"] = _plot(out, pred, bench[1] if bench else [], sched.arrival, result.get("compare") or [])
     except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the figures
         print(f"could not plot: {e}", flush=True)
     _refresh_summary(paths)
@@ -524,7 +525,8 @@ def _write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
             w.writerows(rows)
 
 
-def _plot(out: Path, pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str) -> list[str]:
+def _plot(out: Path, pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str,
+          compared: Sequence[Mapping[str, Any]] = ()) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -534,18 +536,28 @@ def _plot(out: Path, pred: Sequence[Predicted], measured: Sequence[Mapping[str, 
     for name, ylabel, fields_ in (("latency_vs_qps.png", "latency (ms)", ("p50_ms", "p99_ms")),
                                   ("throughput_vs_qps.png", "achieved throughput (requests/s)", ("achieved_qps",))):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for variant in dict.fromkeys(p.variant for p in pred):
-            for kind in dict.fromkeys(p.arrival for p in pred):
-                pts = [p for p in pred if p.variant == variant and p.arrival == kind]
-                for f in fields_:
-                    ax.plot([p.offered_qps for p in pts], [getattr(p, f) for p in pts],
-                            "--" if kind == arrival else ":", marker="x",
-                            label=f"{variant} {f.removesuffix('_ms')} predicted ({kind})")
+        variants = list(dict.fromkeys(p.variant for p in pred))
+        for vi, variant in enumerate(variants):
             mrows = [m for m in measured if m["variant"] == variant]
-            for f in fields_:
+            for fi, f in enumerate(fields_):
+                # one colour per variant and figure: measured solid, predicted dashed (the bench's arrivals) or
+                # dotted (the others), at the level's speed open squares
+                color, what = f"C{(2 * vi + fi) % 10}", f"{variant} {f.removesuffix('_ms')}"
+                for kind in dict.fromkeys(p.arrival for p in pred):
+                    pts = [p for p in pred if p.variant == variant and p.arrival == kind]
+                    ax.plot([p.offered_qps for p in pts], [getattr(p, f) for p in pts],
+                            "--" if kind == arrival else ":", marker="x", color=color,
+                            label=f"{what} predicted ({kind})")
                 if mrows:
-                    ax.plot([float(m["offered_qps"]) for m in mrows], [float(m[f]) for m in mrows], "-o",
-                            label=f"{variant} {f.removesuffix('_ms')} measured")
+                    ax.plot([float(m["offered_qps"]) for m in mrows], [float(m[f]) for m in mrows], "-o", color=color,
+                            label=f"{what} measured")
+                # [Note: the level's speed]: the levels simulated again at the speed the bench computed at
+                key = f"at_speed_{f.replace('achieved_', '')}"
+                sp = [(r["offered_qps"], r[key]) for r in compared
+                      if r["variant"] == variant and math.isfinite(r.get(key, math.nan))]
+                if sp:
+                    ax.plot(*zip(*sp, strict=True), linestyle="none", marker="s", fillstyle="none", markersize=8,
+                            color=color, label=f"{what} predicted at the level's speed")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("offered load (requests/s)")

@@ -246,7 +246,7 @@ def test_a_candidate_that_answered_nothing_is_strict_json_in_the_plan_and_summar
     assert f"| {last['candidate']}" in table and "| - | - |" in table
 
 
-def test_a_level_simulated_at_its_speed_moves_with_it_and_is_judged_on_its_own() -> None:
+def test_a_level_simulated_at_its_speed_moves_with_it_and_is_judged_on_its_own(tmp_path: Path) -> None:
     """``[Note: the level's speed]``: a level whose requests alone computed twice as slow as simulated is simulated
     again with twice the compute; a level whose speed is not known gets no such prediction."""
     from hpcsplit.launch.simulate import (
@@ -276,3 +276,8 @@ def test_a_level_simulated_at_its_speed_moves_with_it_and_is_judged_on_its_own()
     assert 1.8 < slow["at_speed_p50_ms"] / slow["predicted_p50_ms"] < 2.05  # compute doubled, the hops did not
     assert abs(slow["at_speed_p50_err_pct"]) < 10 and verdict_at_speed(slow) == "met"
     assert math.isnan(unknown["at_speed_p50_ms"]) and verdict_at_speed(unknown) == ""
+    from hpcsplit.launch.simulate import _plot
+
+    files = _plot(tmp_path, pred, measured, "poisson", rows)  # the level at its speed drawn beside the rest
+    assert [Path(f).name for f in files] == ["latency_vs_qps.png", "throughput_vs_qps.png"]
+    assert all(Path(f).stat().st_size > 0 for f in files)

@@ -72,6 +72,9 @@ def test_the_levels_speed_is_measured_over_simulated_compute_of_requests_alone_w
                  "success_rate": 1.0, "path_p50_ms": "90"}]
     row = compare_rows([_pred()], measured, "poisson", {("split", 2.0): (84.0, MIN_ALONE)})[0]
     assert row["compute_ratio"] == pytest.approx(1.2) and row["measured_path_p50_ms"] == 90.0
+    third = [{**measured[0], "offered_qps": 1 / 3}]  # requests.h5 names the level qps_0.333333
+    row = compare_rows([_pred(offered_qps=1 / 3)], third, "poisson", {("split", 0.333333): (84.0, MIN_ALONE)})[0]
+    assert row["compute_ratio"] == pytest.approx(1.2)
     for few in (compare_rows([_pred()], measured, "poisson", {("split", 2.0): (84.0, MIN_ALONE - 1)})[0],
                 compare_rows([_pred(alone_n=MIN_ALONE - 1)], measured, "poisson", {("split", 2.0): (84.0, 9)})[0],
                 compare_rows([_pred()], measured, "poisson")[0]):

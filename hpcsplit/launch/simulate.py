@@ -18,8 +18,8 @@ faster from one minute to the next (the development VM: CLIP's vision tower alon
 bench and 167 ms in the next), more than the 10 % a p50 is judged by.  So each compared level also says how fast
 the machine computed in it: the bench measures every request's critical-path compute (``[Note: critical path in
 the run]``; the simulator carries the same figure through its batches), and ``compute_ratio`` is the measured p50
-of it over the simulated one.  It is 1 when the machine ran at the profile's speed and the model batched as the
-runtime did.  The level is then simulated again with every component's compute times that ratio
+of it over the simulated one, of the requests that were alone in the system (each component a batch of one on an
+idle pipeline: no batching or queueing in it).  It is 1 when the machine ran at the profile's speed.  The level is then simulated again with every component's compute times that ratio
 (``at_speed_*``, ``target_at_speed``): what the model predicts had it known the machine's speed in that level.  A
 miss that disappears at the level's speed is the machine's drift; one that stays is the model's.  The verdict
 that counts is the plain prediction's.
@@ -166,7 +166,8 @@ def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str
         r = simulate(system, arr, seed=seed + 1000 * k + i)
         ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok, r.path_ms))
         cpu.append(node_cpu_cores(system, r))
-        lone.append(r.path_ms[alone(r.arrival_s, r.done_s) & r.ok])
+        v = r.path_ms[alone(r.arrival_s, r.done_s) & r.ok]
+        lone.append(v[np.isfinite(v) & (v > 0)])  # (as the measured side: measured_alone_paths)
     med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
            for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms", "path_p50_ms")}
     pooled = np.concatenate(lone)
@@ -265,7 +266,8 @@ def format_compare(rows: Sequence[Mapping[str, Any]]) -> str:
     lines.append("CPU: cores the ranks on the frontend's node used over the level (measured from /proc; predicted: the "
                  "simulated node's computing, polling and backing-off ranks); not a target, a reading of the model")
     if any(math.isfinite(float(r.get("compute_ratio", math.nan))) for r in rows):
-        lines.append("compute xF: the level's critical-path compute p50, measured / simulated (how much slower the "
+        lines.append("compute xF: the critical-path compute p50 of the level's requests alone in the system, measured / "
+                     "simulated (how much slower the "
                      "machine computed than the profile); 'at that speed': the same level simulated with every "
                      "component's compute times F, the errors and verdict of that prediction (a reading of the "
                      "model without the machine's drift; the verdict above is the one that counts)")
@@ -330,10 +332,15 @@ def bench_record(paths: RunPaths, plan_path: Path) -> tuple[dict[str, Any], list
     return rec, rows
 
 
-def measured_alone_paths(path: Path) -> dict[tuple[str, float], tuple[float, int]]:
-    """Per (variant, level) of a bench's ``requests.h5``: the critical-path compute p50 (ms) of the requests that were
-    alone in the system (:func:`hpcsplit.core.load.alone`) and how many there were; ``{}`` (said) when the file is
-    missing or not as the bench writes it.  Reads datasets only, checks every value."""
+def measured_alone_paths(path: Path, sched: Schedule) -> dict[tuple[str, float], tuple[float, int]]:
+    """Per (variant, level of ``sched``) of a bench's ``requests.h5``: the critical-path compute p50 (ms) of the
+    requests that were alone in the system (:func:`hpcsplit.core.load.alone`) and how many there were; ``{}`` (said)
+    when the file is missing or not as the bench writes it.
+
+    Reads datasets only, each only after its length was checked against the level's schedule: a level's group must
+    hold exactly the arrivals ``sched`` gives it (the bench's own requests, not an older bench's or another plan's),
+    and every answered request an end after its arrival.  A level whose arrivals differ is left out (said).
+    """
     if not path.is_file():
         return {}
     try:
@@ -342,30 +349,41 @@ def measured_alone_paths(path: Path) -> dict[tuple[str, float], tuple[float, int
         if path.stat().st_size > MAX_REQUESTS_BYTES:
             raise ValueError(f"{path.stat().st_size} bytes, more than {MAX_REQUESTS_BYTES}")
         out: dict[tuple[str, float], tuple[float, int]] = {}
+        other: list[str] = []
         with h5py.File(path, "r") as f:
             for variant in VARIANTS:
                 g = f.get(variant)
                 if not isinstance(g, h5py.Group):
                     continue
-                for name, lvl in g.items():
-                    if not (isinstance(lvl, h5py.Group) and name.startswith("qps_")):
+                for i, q in enumerate(sched.qps):
+                    name = f"qps_{q:g}"  # as the bench names it
+                    lvl = g.get(name)
+                    if not isinstance(lvl, h5py.Group):
                         continue
-                    q = float(name[4:])
+                    arr = level_arrivals(q, i, sched.duration_s, sched.min_requests, sched.arrival, sched.seed)
                     cols = {}
                     for k in ("arrival_s", "done_s", "critical_path_ms", "status"):
                         d = lvl.get(k)
-                        if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype.kind not in "fiu" or d.size > 10**8:
+                        if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype.kind not in "fiu":
                             raise ValueError(f"{variant}/{name}/{k}: not a 1-D numeric dataset")
+                        if d.shape[0] != len(arr):
+                            break
                         cols[k] = np.asarray(d[()], dtype=np.float64)
-                    if len({len(v) for v in cols.values()}) != 1 or not np.isfinite(cols["arrival_s"]).all():
-                        raise ValueError(f"{variant}/{name}: columns of different lengths or arrivals not finite")
+                    if len(cols) < 4 or not np.allclose(cols["arrival_s"], arr, rtol=0.0, atol=1e-9):
+                        other.append(f"{variant}/{name}")
+                        continue
                     ok = cols["status"] == 1  # runtime.frontend.STATUS_OK
                     done = np.where(ok, cols["done_s"], np.nan)
+                    if not (done[ok] >= cols["arrival_s"][ok]).all():
+                        raise ValueError(f"{variant}/{name}: an answered request ends before it arrives")
                     v = cols["critical_path_ms"][alone(cols["arrival_s"], done) & ok]
                     v = v[np.isfinite(v) & (v > 0)]
                     out[(variant, q)] = (float(np.median(v)) if len(v) else math.nan, len(v))
+        if other:
+            print(f"{path}: {', '.join(other)} hold other requests than this schedule's; no speed for those levels",
+                  flush=True)
         return out
-    except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, RuntimeError, MemoryError) as e:
         print(f"{path}: not as the bench writes it ({type(e).__name__}: {e}); no level's speed", flush=True)
         return {}
 
@@ -444,7 +462,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                               "schedule": sched.source, "predicted": [asdict(p) for p in pred],
                               "simulate_s": time.perf_counter() - t0, "dir": str(out)}
     if bench is not None:
-        rows = compare_rows(pred, bench[1], sched.arrival, measured_alone_paths(paths.bench_dir / "requests.h5"))
+        rows = compare_rows(pred, bench[1], sched.arrival, measured_alone_paths(paths.bench_dir / "requests.h5", sched))
         scale = floor_scale(paths)
         if scale:  # the same simulation with the profile moved to the machine's speed during the bench
             now = predict(systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy,
@@ -485,18 +503,24 @@ def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, Comp
         f = float(r.get("compute_ratio", math.nan))
         p = None
         if math.isfinite(f) and 0 < f < 1e6 and r["offered_qps"] in sched.qps:
-            system = build_system(plan, profiles, graph, cal, sched.policy, variant=r["variant"], cores_per_node=cores,
-                                  switchboard_sha256=sha, scale=dict.fromkeys(graph.names, f))
-            # the machine computes f times slower: the programs' cold extras too
-            system = dataclasses.replace(system, ranks=tuple(
-                k if k.component < 0 else dataclasses.replace(k, cold=Curve(k.cold.gaps_ms, tuple(v * f for v in k.cold.values_ms)))
-                for k in system.ranks))
+            system = at_speed_system(plan, profiles, graph, cal, sched.policy, r["variant"], cores, sha, f)
             p = predict_level(r["variant"], system, sched, sched.arrival, sched.qps.index(r["offered_qps"]), runs, seed)
         for k, field_, meas in (("p50_ms", "p50_ms", "measured_p50_ms"), ("p99_ms", "p99_ms", "measured_p99_ms"),
                                 ("qps", "achieved_qps", "measured_qps")):
             v = getattr(p, field_) if p is not None else math.nan
             r[f"at_speed_{k}"] = v
             r[f"at_speed_{k.removesuffix('_ms')}_err_pct"] = err_pct(v, r[meas])
+
+
+def at_speed_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, cal: Calibration,
+                    policy: ServePolicy, variant: str, cores: float, sha: str | None, f: float) -> SimSystem:
+    """``variant``'s simulated system on a machine that computes ``f`` times slower than the profile says: every
+    component's latencies and its program's cold extras times ``f``; the frontend and the hops as calibrated."""
+    system = build_system(plan, profiles, graph, cal, policy, variant=variant, cores_per_node=cores,
+                          switchboard_sha256=sha, scale=dict.fromkeys(graph.names, f))
+    return dataclasses.replace(system, ranks=tuple(
+        k if k.component < 0 else dataclasses.replace(k, cold=Curve(k.cold.gaps_ms, tuple(v * f for v in k.cold.values_ms)))
+        for k in system.ranks))
 
 
 def verdict_at_speed(row: Mapping[str, Any]) -> str:

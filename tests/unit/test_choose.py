@@ -246,6 +246,27 @@ def test_a_candidate_that_answered_nothing_is_strict_json_in_the_plan_and_summar
     assert f"| {last['candidate']}" in table and "| - | - |" in table
 
 
+def test_a_machine_at_another_speed_moves_every_components_compute_and_cold_extra_not_the_frontends() -> None:
+    from hpcsplit.launch.simulate import at_speed_system
+
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    graph = _two_towers()
+    cal = dataclasses.replace(_cal(0.3), compute_cold=Curve((0.0, 1000.0), (0.0, 5.0)))
+    plan = choose(prof, CPU4, _settings(2, 150.0), graph, cal, ServePolicy()).plan
+    for variant in ("split", "whole"):
+        base = at_speed_system(plan, prof.components, graph, cal, ServePolicy(), variant, 8.0, None, 1.0)
+        slow = at_speed_system(plan, prof.components, graph, cal, ServePolicy(), variant, 8.0, None, 1.5)
+        assert any(k.cold.values_ms[-1] > 0 for k in base.ranks if k.component >= 0)
+        for a, b in zip(base.ranks, slow.ranks, strict=True):
+            if a.component < 0:  # the frontend: no compute, as calibrated
+                assert b == a
+                continue
+            assert b.latency_ms == pytest.approx(tuple(1.5 * x for x in a.latency_ms))
+            assert b.cold.values_ms == pytest.approx(tuple(1.5 * x for x in a.cold.values_ms))
+            assert b.cold.gaps_ms == a.cold.gaps_ms
+        assert slow.calibration == base.calibration and slow.components == base.components  # hops, bytes as they were
+
+
 def test_a_level_simulated_at_its_speed_moves_with_it_and_is_judged_on_its_own(tmp_path: Path) -> None:
     """``[Note: the level's speed]``: a level whose requests alone computed twice as slow as simulated is simulated
     again with twice the compute; a level whose speed is not known gets no such prediction."""

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcsplit.core.load import alone
+from hpcsplit.core.load import alone, level_arrivals
+from hpcsplit.core.simulator import ServePolicy
 from hpcsplit.launch.simulate import (
     MIN_ALONE,
     Predicted,
+    Schedule,
     compare_rows,
     measured_alone_paths,
 )
@@ -38,26 +40,34 @@ def _levels(path: Path, levels: dict[str, dict[str, np.ndarray]]) -> None:
 
 def test_a_benchs_requests_give_each_levels_compute_of_requests_alone_and_damaged_files_give_none(
         tmp_path: Path) -> None:
-    arr = np.arange(10) * 1.0
+    sched = Schedule((2.0, 4.0), 5.0, 10, "constant", 0, ServePolicy(), "bench")
+    arr = level_arrivals(2.0, 0, 5.0, 10, "constant", 0)
+    assert len(arr) == 10
     done = arr + 0.2
-    done[3] = 4.5  # 3 and 4 overlap
+    done[3] = arr[4] + 0.1  # 3 and 4 overlap
     path = np.arange(10) * 10.0 + 100.0
     status = np.ones(10, dtype=np.int8)
     status[7] = 2  # failed: not counted
     good = {"arrival_s": arr, "done_s": done, "critical_path_ms": path, "status": status}
     f = tmp_path / "requests.h5"
     _levels(f, {"split/qps_2": good, "whole/qps_2": {**good, "critical_path_ms": path * 2}})
-    got = measured_alone_paths(f)
+    got = measured_alone_paths(f, sched)
     # alone: 0, 1, 2, 5, 6 -> 100, 110, 120, 150, 160 (7 failed: it counts as in the system to the end)
-    assert got[("split", 2.0)] == (120.0, 5) and got[("whole", 2.0)] == (240.0, 5)
-    assert measured_alone_paths(tmp_path / "none.h5") == {}
+    assert got == {("split", 2.0): (120.0, 5), ("whole", 2.0): (240.0, 5)}
+    assert measured_alone_paths(tmp_path / "none.h5", sched) == {}
+    # another bench's requests (other arrivals, or another count) give that level no speed, the others theirs
+    shifted = {**good, "arrival_s": arr + 0.01, "done_s": done + 0.01}
+    longer = {k: np.concatenate([v, v[-1:]]) for k, v in good.items()}
+    for other in (shifted, longer):
+        _levels(f, {"split/qps_2": other, "whole/qps_2": good})
+        assert measured_alone_paths(f, sched) == {("whole", 2.0): (120.0, 5)}
     for bad in ({**good, "done_s": done[:5]}, {**good, "critical_path_ms": np.array([b"x"] * 10)},
-                {**good, "arrival_s": np.full(10, np.nan)}, {k: v for k, v in good.items() if k != "status"},
-                {**good, "arrival_s": np.zeros((10, 2))}):
+                {k: v for k, v in good.items() if k != "status"}, {**good, "arrival_s": np.zeros((10, 2))},
+                {**good, "done_s": arr - 0.1}):
         _levels(f, {"split/qps_2": bad})
-        assert measured_alone_paths(f) == {}, bad
+        assert measured_alone_paths(f, sched) == {}, bad
     f.write_bytes(b"not hdf5 at all")
-    assert measured_alone_paths(f) == {}
+    assert measured_alone_paths(f, sched) == {}
 
 
 def _pred(**kw: float) -> Predicted:

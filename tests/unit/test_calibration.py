@@ -198,3 +198,27 @@ def test_calibrate_settings_refuse_infinite_and_huge_values(over: dict) -> None:
 
     with pytest.raises(ConfigError, match=f"calibrate.{next(iter(over))} = "):
         CalibrateSettings.from_config({"calibrate": over})
+
+
+def test_a_program_after_an_idle_gap_is_timed_on_inputs_received_as_a_rank_receives_them() -> None:
+    """[Note: cold extra after a receive]: the wake-up's first calls (the receive) are the hop's, so the program's
+    cold extra is timed after its inputs came through the runtime's transport, on what arrived."""
+    import torch
+
+    from hpcsplit.launch.calibrate_run import _times
+
+    args = (torch.randn(1, 3, 224, 224), torch.arange(7).reshape(1, 7), torch.zeros(1, 0), torch.ones(1, 4, 2).mT)
+    seen = []
+
+    def fn(*xs: torch.Tensor) -> torch.Tensor:
+        seen.append(xs)
+        return xs[0]
+
+    ms = _times(fn, args, 3, 0.002)
+    assert len(ms) == 3 and all(0 <= m < 1e3 for m in ms)
+    assert len(seen) == 3
+    for xs in seen:
+        assert len(xs) == len(args)
+        for got, want in zip(xs, args, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+            assert got.numel() == 0 or got.data_ptr() != want.data_ptr()  # received, not the caller's tensor

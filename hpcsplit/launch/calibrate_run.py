@@ -21,8 +21,8 @@ each chain the components run the runtime's own loop (``serve_component``) on ``
 5. **programs** (``calibrate.programs`` and a switchboard in the run folder or ``switchboard=PATH``): each
    component and the whole model at batch 1, back to back and after ``program_gaps_ms`` idle.
 
-After an idle gap (4 and 5) a program's inputs are received first, as a rank receives them, and only the program is
-timed (``[Note: cold extra after a receive]``).
+After an idle gap (4 and 5) a program's inputs are received first, through the runtime's receive code, and only the
+program is timed (``[Note: cold extra after a receive]``).
 
 Ranks not in a step wait at a non-spinning barrier.  Rank 0 turns the raw figures into a
 :class:`~hpcsplit.core.calibration.Calibration` (:func:`hpcsplit.launch.calibrate_fit.fit`) and writes it.
@@ -287,29 +287,39 @@ def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> l
     makes the tensors, and those first calls after the sleep run cold.  The calibrated hop (``pingpong``: to the
     replica's stamp, after its receive) already holds that; the simulator adds the program's cold extra to it.  So
     the program is timed here as the runtime times a batch: its inputs arrive as a message through the runtime's
-    transport (sent to this rank itself before the sleep, taken by an ``Inbox`` after it), and only ``fn`` is
+    transport (sent to this rank itself before the sleep, taken by an ``Inbox`` after it: the runtime's receive
+    code, though a copy within this process after a plain sleep, not a doorbell's wake-up), and only ``fn`` is
     timed.  Timed straight after a sleep instead, the toy's programs (15 us back to back) paid 0.47 ms after
-    100 ms idle, and 0.29 ms once a receive-like step ran first: the 0.19 ms of the wake-up's cold calls counted
+    100 ms idle, and 0.29 ms once a receive-like step ran first: the 0.18 ms of the wake-up's cold calls counted
     in the hop and again in every program of a path (the toy's split at 8 req/s: 1.96 ms of simulated compute on
     the critical path against 1.06 measured in the run; docs/simulate.md, "Cold extras").
     """
-    comm = MPI.COMM_SELF
+    comm = MPI.COMM_SELF.Dup()  # its own: nothing a failed call left behind reaches another call
     inbox = Inbox(comm)
-    out = []
-    for _ in range(n):
-        h = tp.isend_message(comm, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
-        time.sleep(sleep_s)
-        deadline = time.perf_counter() + 30.0
-        got = inbox.poll()
-        while not got:
-            if time.perf_counter() > deadline:
-                raise CalibrationError("calibration: a message this rank sent itself did not arrive in 30 s")
+    out: list[float] = []
+    h = None
+    try:
+        for _ in range(n):
+            h = tp.isend_message(comm, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
+            time.sleep(sleep_s)
+            deadline = time.perf_counter() + 30.0
             got = inbox.poll()
-        h.wait()
-        ts = got[0][0].tensors
-        t0 = time.perf_counter()
-        fn(*ts)
-        out.append((time.perf_counter() - t0) * 1e3)
+            while not got:
+                if time.perf_counter() > deadline:
+                    raise CalibrationError("calibration: a message this rank sent itself did not arrive in 30 s")
+                got = inbox.poll()
+            if len(got) != 1:
+                raise CalibrationError(f"calibration: {len(got)} messages where this rank sent itself one")
+            h.wait()
+            h = None
+            ts = got[0][0].tensors
+            t0 = time.perf_counter()
+            fn(*ts)
+            out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if h is not None:  # failed half-way: no payload may land later in a buffer the pool hands out again
+            inbox.forget({0})
+        comm.Free()
     return out
 
 

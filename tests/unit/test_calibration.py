@@ -200,25 +200,51 @@ def test_calibrate_settings_refuse_infinite_and_huge_values(over: dict) -> None:
         CalibrateSettings.from_config({"calibrate": over})
 
 
-def test_a_program_after_an_idle_gap_is_timed_on_inputs_received_as_a_rank_receives_them() -> None:
+def test_a_program_after_an_idle_gap_is_timed_on_inputs_received_as_a_rank_receives_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: cold extra after a receive]: the wake-up's first calls (the receive) are the hop's, so the program's
-    cold extra is timed after its inputs came through the runtime's transport, on what arrived."""
+    cold extra is timed after its inputs came through the runtime's transport, on what arrived: the sleep first,
+    then the receive, then the program alone."""
+    import time
+
     import torch
 
-    from hpcsplit.launch.calibrate_run import _times
+    from hpcsplit.launch import calibrate_run
+    from hpcsplit.runtime.mailbox import Inbox
 
-    args = (torch.randn(1, 3, 224, 224), torch.arange(7).reshape(1, 7), torch.zeros(1, 0), torch.ones(1, 4, 2).mT)
-    seen = []
+    events: list[str] = []
+    real_sleep, real_poll = time.sleep, Inbox.poll
+
+    def sleep(s: float) -> None:
+        events.append("sleep")
+        real_sleep(s)
+
+    def poll(self: Inbox) -> list:
+        got = real_poll(self)
+        events.append("received" if got else "poll")
+        return got
+
+    monkeypatch.setattr(calibrate_run.time, "sleep", sleep)
+    monkeypatch.setattr(Inbox, "poll", poll)
+    big = (torch.randn(1, 3, 224, 224), torch.arange(7).reshape(1, 7), torch.zeros(1, 0), torch.ones(1, 4, 2).mT)
+    small = (torch.randn(1, 64),)  # inline: its bytes behind the header (compute_cold's program)
+    seen: list[tuple[torch.Tensor, ...]] = []
 
     def fn(*xs: torch.Tensor) -> torch.Tensor:
+        events.append("program")
         seen.append(xs)
         return xs[0]
 
-    ms = _times(fn, args, 3, 0.002)
-    assert len(ms) == 3 and all(0 <= m < 1e3 for m in ms)
-    assert len(seen) == 3
-    for xs in seen:
-        assert len(xs) == len(args)
-        for got, want in zip(xs, args, strict=True):
-            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
-            assert got.numel() == 0 or got.data_ptr() != want.data_ptr()  # received, not the caller's tensor
+    for args in (big, small):
+        events.clear()
+        seen.clear()
+        ms = calibrate_run._times(fn, args, 3, 0.002)
+        assert len(ms) == 3 and all(m >= 0 for m in ms)
+        runs = "".join("S" if e == "sleep" else "R" if e == "received" else "P" if e == "program" else "." for e in events)
+        assert runs.replace(".", "") == "SRP" * 3, runs  # each run: the sleep, then the receive, then the program
+        assert len(seen) == 3
+        for xs in seen:
+            assert len(xs) == len(args)
+            for got, want in zip(xs, args, strict=True):
+                assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+                assert got.numel() == 0 or got.data_ptr() != want.data_ptr()  # received, not the caller's tensor

@@ -450,7 +450,8 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     sched = schedule_of(cfg, s, bench[0] if bench else None)
     print(cal.describe(), flush=True)
     t0 = time.perf_counter()
-    systems = systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy, s.variants,
+    profiles, graph = _profiles(paths), SimGraph.from_layout(layout)  # read once: every simulation below uses them
+    systems = systems_for(plan, profiles, graph, cal, sched.policy, s.variants,
                           float(cluster.cores_per_node), sha)
     arrivals = tuple(dict.fromkeys((sched.arrival, *s.arrivals)))
     pred = predict(systems, sched, arrivals, s.runs, s.seed)
@@ -465,7 +466,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         rows = compare_rows(pred, bench[1], sched.arrival, measured_alone_paths(paths.bench_dir / "requests.h5", sched))
         scale = floor_scale(paths)
         if scale:  # the same simulation with the profile moved to the machine's speed during the bench
-            now = predict(systems_for(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy,
+            now = predict(systems_for(plan, profiles, graph, cal, sched.policy,
                                       s.variants, float(cluster.cores_per_node), sha, scale),
                           sched, (sched.arrival,), s.runs, s.seed)
             by = {(p.variant, p.offered_qps): p for p in now}
@@ -480,7 +481,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                   + ", ".join(f"{c} {f:.2f}x the profile" for c, f in scale.items())
                   + "; predictions with the profile moved to that speed are the predicted_now_* columns of compare.csv",
                   flush=True)
-        at_speed(rows, plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched, float(cluster.cores_per_node),
+        at_speed(rows, plan, profiles, graph, cal, sched, float(cluster.cores_per_node),
                  sha, s.runs, s.seed)
         _write_csv(out / "compare.csv", [{**r, "target": verdict(r), "target_at_speed": verdict_at_speed(r)} for r in rows])
         table = format_compare(rows)

@@ -20,7 +20,9 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
   those differences at a gap less their median back to back (the smallest stream) is the CPU of an idle gap,
   against the replica's idle time (0 at least, increasing);
 - **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
-  ``k`` ranks computing at once; cold extras = median after a gap less median back to back (0 at least).
+  ``k`` ranks computing at once; cold extras = the median, over runs after a gap, of the run less the warm run
+  straight after it (``[Note: cold extra in pairs]``; an older job's figures: median after the gap less median
+  back to back), 0 at least.
 """
 
 from __future__ import annotations
@@ -152,9 +154,18 @@ def _increasing(points: list[tuple[float, float]]) -> Curve:
     return Curve(tuple(gs), tuple(vs)) if gs else Curve.constant(0.0)
 
 
-def _cold(b2b: Sequence[float], after: Mapping[str, Sequence[float]]) -> Curve:
+def _cold(b2b: Sequence[float], after: Mapping[str, Sequence[float]],
+          warm: Mapping[str, Sequence[float]] | None = None) -> Curve:
+    """The extra after each gap: the median of (cold run - the warm run straight after it) where the pairs are
+    there (``[Note: cold extra in pairs]``), else (an older job's figures) median after the gap - median back
+    to back."""
     base = _med(b2b)
-    return _increasing([(0.0, 0.0)] + [(float(g), _med(v) - base) for g, v in after.items()])
+    pts = [(0.0, 0.0)]
+    for g, v in after.items():
+        w = (warm or {}).get(g)
+        pair = w is not None and len(w) == len(v) and len(v) > 0
+        pts.append((float(g), _med(np.subtract(v, w)) if pair else _med(v) - base))
+    return _increasing(pts)
 
 
 def fit(raw: Mapping[str, Any]) -> Calibration:
@@ -186,14 +197,15 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         if k >= 2 and rates[str(k)] and math.isfinite(alone):
             corun.append(max(1.0, alone / float(np.mean(rates[str(k)]))))
     small = raw.get("small") or {}
-    cold = _cold(small.get("b2b_ms", []), small.get("after_ms", {})) if small else Curve.constant(0.0)
+    cold = (_cold(small.get("b2b_ms", []), small.get("after_ms", {}), small.get("warm_ms")) if small
+            else Curve.constant(0.0))
     progs: dict[str, ProgramCal] = {}
     sha = None
     praw = raw.get("programs")
     if praw:
         sha = praw.get("switchboard_sha256")
         for name, v in praw["programs"].items():
-            progs[name] = ProgramCal(_med(v["b2b_ms"]), _cold(v["b2b_ms"], v["after_ms"]))
+            progs[name] = ProgramCal(_med(v["b2b_ms"]), _cold(v["b2b_ms"], v["after_ms"], v.get("warm_ms")))
     hosts = tuple(dict.fromkeys(str(h) for h in raw.get("hosts", ())))
     return Calibration(
         source="measured", created_utc=utc_now(), hpcsplit_version=__version__, cluster=str(raw.get("cluster", "")),

@@ -244,8 +244,9 @@ class _Job:
         x = torch.randn(1, 64)
         with torch.inference_mode():
             b2b = time_latency_ms(lin, (x,), warmup=2, iters=SMALL_RUNS)  # the profile's timer
-            after = {g: _times(lin, (x,), self._runs(g, self.s.samples), g / 1e3) for g in self.s.gaps_ms}
-        return {"b2b_ms": b2b, "after_ms": {str(g): v for g, v in after.items()}}
+            after = {str(g): _times(lin, (x,), self._runs(g, self.s.samples), g / 1e3) for g in self.s.gaps_ms}
+        return {"b2b_ms": b2b, "after_ms": {g: v[0] for g, v in after.items()},
+                "warm_ms": {g: v[1] for g, v in after.items()}}
 
     def _runs(self, gap_ms: float, want: int) -> int:
         return max(3, min(want, int(self.s.max_gap_time_s * 1e3 / gap_ms)))
@@ -262,9 +263,11 @@ class _Job:
                 args = tuple(sb.example_inputs(1)) if name == "whole" else tuple(acts[name])
                 b2b = time_latency_ms(fn, args, warmup=2, iters=self.s.program_runs + 2)  # as the profile times it
                 after = {str(g): _times(fn, args, self.s.program_runs, g / 1e3) for g in self.s.program_gaps_ms}
-                progs[name] = {"b2b_ms": b2b, "after_ms": after}
+                progs[name] = {"b2b_ms": b2b, "after_ms": {g: v[0] for g, v in after.items()},
+                               "warm_ms": {g: v[1] for g, v in after.items()}}
                 say(0, f"calibration: program {name!r}: batch 1 back to back p50 {np.median(b2b):.3f} ms, after "
-                       + ", ".join(f"{g} ms idle {np.median(v):.3f}" for g, v in after.items()))
+                       + ", ".join(f"{g} ms idle {np.median(c):.3f} ({np.median(np.subtract(c, w)):+.3f} over the "
+                                   "warm run after it)" for g, (c, w) in after.items()))
         return {"switchboard_sha256": sb.sha256, "programs": progs}
 
 
@@ -279,8 +282,9 @@ def _stamped(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> list[float]:
-    """ms of ``n`` runs of ``fn`` on ``args``, each after ``sleep_s`` idle (its cold extra), as a rank runs a batch.
+def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> tuple[list[float], list[float]]:
+    """ms of ``n`` runs of ``fn`` on ``args``, each after ``sleep_s`` idle (its cold extra), as a rank runs a batch,
+    and of the warm run straight after each (the pair's difference is the extra; ``[Note: cold extra in pairs]``).
 
     [Note: cold extra after a receive]
     A rank woken after an idle gap receives its inputs before it computes: it polls MPI, decodes the header and
@@ -293,10 +297,18 @@ def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> l
     100 ms idle, and 0.29 ms once a receive-like step ran first: the 0.18 ms of the wake-up's cold calls counted
     in the hop and again in every program of a path (the toy's split at 8 req/s: 1.96 ms of simulated compute on
     the critical path against 1.06 measured in the run; docs/simulate.md, "Cold extras").
+
+    [Note: cold extra in pairs]
+    The extra is a difference of two times of one program, and on a shared node the program's speed drifts
+    between the back-to-back runs and the runs after gaps, timed seconds apart: the whole CLIP model's extra
+    after 1 s came out 0.25, 6.5 and 48 ms in three calibrations.  So each cold run is followed at once by a
+    warm one, and the extra is the median of the pairs' differences (``calibrate_fit``): a drift slower than
+    one pair cancels.
     """
     comm = MPI.COMM_SELF.Dup()  # its own: nothing a failed call left behind reaches another call
     inbox = Inbox(comm)
-    out: list[float] = []
+    cold: list[float] = []
+    warm: list[float] = []
     h = None
     try:
         for _ in range(n):
@@ -313,14 +325,15 @@ def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> l
             h.wait()
             h = None
             ts = got[0][0].tensors
-            t0 = time.perf_counter()
-            fn(*ts)
-            out.append((time.perf_counter() - t0) * 1e3)
+            for into in (cold, warm):
+                t0 = time.perf_counter()
+                fn(*ts)
+                into.append((time.perf_counter() - t0) * 1e3)
     finally:
         if h is not None:  # failed half-way: no payload may land later in a buffer the pool hands out again
             inbox.forget({0})
         comm.Free()
-    return out
+    return cold, warm
 
 
 def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeSettings,

@@ -31,12 +31,12 @@ class Towers(nn.Module):
         return self.head(torch.cat([self.tower_a(a), self.tower_b(b), inter], dim=-1))
 
 
-def _export(out: Path) -> hpcsplit.Switchboard:
+def _export(out: Path, **options: str) -> hpcsplit.Switchboard:
     torch.manual_seed(0)
     model = Towers().eval()
     g = torch.Generator().manual_seed(1)
     xs = (torch.randn(32, 512, generator=g), torch.randn(32, 512, generator=g))
-    return hpcsplit.export(model, xs, out=out)  # the defaults: measured timing, no force
+    return hpcsplit.export(model, xs, out=out, **options)  # the defaults: measured timing, no force
 
 
 def _components(sb: hpcsplit.Switchboard) -> list[dict]:
@@ -57,3 +57,24 @@ def test_export_under_load_gives_the_same_components(tmp_path: Path, request: py
     assert towers["benefit_ms"] > towers["cost_ms"]
     # what the timing pass measured did differ
     assert [c.work_ms for c in loaded.components.values()] != [c.work_ms for c in quiet.components.values()]
+
+
+def test_the_same_model_exported_twice_is_the_same_switchboard_byte_for_byte(tmp_path: Path) -> None:
+    """[Note: programs byte for byte]: every program (the components cut out of the whole graph too) and the
+    layout are the same bytes in a second export, so the switchboard's sha256 is the same and a profile or a
+    calibration of one applies to the other; no program holds a path of this install."""
+    first = _export(tmp_path / "first", cost="flops")
+    again = _export(tmp_path / "again", cost="flops")
+    assert list(first.order) == ["tower_a", "tower_b", "head"]
+    side = {"graph.svg", "graph.png", "export_times.json"}  # not in the layout: not hashed
+    files = sorted(p.relative_to(first.path) for p in first.path.rglob("*") if p.is_file() and p.name not in side)
+    assert {f.suffix for f in files} == {".json", ".safetensors", ".pt2"}
+    for f in files:
+        assert (first.path / f).read_bytes() == (again.path / f).read_bytes(), f
+    assert first.sha256 == again.sha256
+    times = json.loads((first.path / "export_times.json").read_text())
+    assert times["export_seconds"] > 0 and "verify_components" in times["phases_s"]
+    here = [str(Path(torch.__file__).parent), str(Path(__file__).parent)]
+    for prog in (first.path / "programs").iterdir():
+        data = prog.read_bytes()
+        assert not [h for h in here if h.encode() in data], prog.name

@@ -67,8 +67,11 @@ def test_the_same_model_exported_twice_is_the_same_switchboard_byte_for_byte(tmp
     again = _export(tmp_path / "again", cost="flops")
     assert list(first.order) == ["tower_a", "tower_b", "head"]
     side = {"graph.svg", "graph.png", "export_times.json"}  # not in the layout: not hashed
-    files = sorted(p.relative_to(first.path) for p in first.path.rglob("*") if p.is_file() and p.name not in side)
-    assert {f.suffix for f in files} == {".json", ".safetensors", ".pt2"}
+    def listing(sb: hpcsplit.Switchboard) -> list[Path]:
+        return sorted(p.relative_to(sb.path) for p in sb.path.rglob("*") if p.is_file() and p.name not in side)
+
+    files = listing(first)
+    assert files == listing(again) and {f.suffix for f in files} == {".json", ".safetensors", ".pt2"}
     for f in files:
         assert (first.path / f).read_bytes() == (again.path / f).read_bytes(), f
     assert first.sha256 == again.sha256

@@ -33,11 +33,18 @@ def test_bench_across_nodes_idle_ranks_sleep_on_the_udp_doorbell(
     assert "match the reference" in logs  # the split's end-to-end outputs equal the whole model's (verify)
     # every rank could be rung from the other node (its UDP socket on the bridge, the test ring arrived)
     assert "cannot ring" not in logs and "did not reach" not in logs, logs[-3000:]
-    # the whole-model variant runs on one rank of each replica set: at 2 requests/s the ranks are idle
-    # nearly all the time, asleep on the doorbell; ranks 2 and 3 (node 1) are rung over UDP from node 0
+    # ranks 2 and 3 (node 1) serve the split's second stage: every request reaches them from rank 1 on node 0,
+    # and at 2 requests/s they are asleep when it comes, so rings over UDP woke them
+    split = {s["rank"]: s for s in result["ranks"] if s.get("variant") == "split"}
+    rung = sum(int(split[r].get("doorbell_wakeups", 0)) for r in (2, 3))
+    assert rung > 0, {r: split[r] for r in (2, 3)}
+    # the whole-model variant runs on one rank of each replica set: at 2 requests/s the ranks are idle nearly
+    # all the time and sleep: a few per cent of a core at most (1-3 % on this VM, by its speed of the hour),
+    # where a rank that spins takes most of one
     whole = {s["rank"]: s["cpu_pct_of_core"] for s in result["ranks"] if s.get("variant") == "whole"}
-    print(f"idle ranks' CPU (% of a core) in the whole variant at 2 req/s: {whole}")
-    assert {2, 3} <= set(whole) and all(whole[r] < 2.0 for r in (2, 3)), whole
+    print(f"idle ranks' CPU (% of a core) in the whole variant at 2 req/s: {whole}; doorbell wake-ups of ranks "
+          f"2 and 3 in the split variant: {rung}")
+    assert {2, 3} <= set(whole) and all(whole[r] < 10.0 for r in (2, 3)), whole
 
 
 def test_sbatch_script_for_a_three_plus_two_plan_runs_there(

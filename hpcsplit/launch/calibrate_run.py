@@ -245,8 +245,7 @@ class _Job:
         with torch.inference_mode():
             b2b = time_latency_ms(lin, (x,), warmup=2, iters=SMALL_RUNS)  # the profile's timer
             after = {str(g): _times(lin, (x,), self._runs(g, self.s.samples), g / 1e3) for g in self.s.gaps_ms}
-        return {"b2b_ms": b2b, "after_ms": {g: v[0] for g, v in after.items()},
-                "warm_ms": {g: v[1] for g, v in after.items()}}
+        return {"b2b_ms": b2b, **_pairs(after)}
 
     def _runs(self, gap_ms: float, want: int) -> int:
         return max(3, min(want, int(self.s.max_gap_time_s * 1e3 / gap_ms)))
@@ -263,8 +262,7 @@ class _Job:
                 args = tuple(sb.example_inputs(1)) if name == "whole" else tuple(acts[name])
                 b2b = time_latency_ms(fn, args, warmup=2, iters=self.s.program_runs + 2)  # as the profile times it
                 after = {str(g): _times(fn, args, self.s.program_runs, g / 1e3) for g in self.s.program_gaps_ms}
-                progs[name] = {"b2b_ms": b2b, "after_ms": {g: v[0] for g, v in after.items()},
-                               "warm_ms": {g: v[1] for g, v in after.items()}}
+                progs[name] = {"b2b_ms": b2b, **_pairs(after)}
                 say(0, f"calibration: program {name!r}: batch 1 back to back p50 {np.median(b2b):.3f} ms, after "
                        + ", ".join(f"{g} ms idle {np.median(c):.3f} ({np.median(np.subtract(c, w)):+.3f} over the "
                                    "warm run after it)" for g, (c, w) in after.items()))
@@ -280,6 +278,11 @@ def _stamped(x: torch.Tensor) -> torch.Tensor:
     if y.shape[1] > 1:
         y[:, 1] = time.process_time()
     return y
+
+
+def _pairs(after: dict[str, tuple[list[float], list[float]]]) -> dict[str, dict[str, list[float]]]:
+    """:func:`_times`'s (cold, warm) runs per gap as the raw figures ``after_ms`` and ``warm_ms``."""
+    return {"after_ms": {g: c for g, (c, _) in after.items()}, "warm_ms": {g: w for g, (_, w) in after.items()}}
 
 
 def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> tuple[list[float], list[float]]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import hpcsplit
+from hpcsplit.switchboard.writer import EXPORT_TIMES_FILE
 
 
 class Towers(nn.Module):
@@ -66,7 +67,7 @@ def test_the_same_model_exported_twice_is_the_same_switchboard_byte_for_byte(tmp
     first = _export(tmp_path / "first", cost="flops")
     again = _export(tmp_path / "again", cost="flops")
     assert list(first.order) == ["tower_a", "tower_b", "head"]
-    side = {"graph.svg", "graph.png", "export_times.json"}  # not in the layout: not hashed
+    side = {"graph.svg", "graph.png", EXPORT_TIMES_FILE}  # not in the layout: not hashed
     def listing(sb: hpcsplit.Switchboard) -> list[Path]:
         return sorted(p.relative_to(sb.path) for p in sb.path.rglob("*") if p.is_file() and p.name not in side)
 
@@ -75,7 +76,7 @@ def test_the_same_model_exported_twice_is_the_same_switchboard_byte_for_byte(tmp
     for f in files:
         assert (first.path / f).read_bytes() == (again.path / f).read_bytes(), f
     assert first.sha256 == again.sha256
-    times = json.loads((first.path / "export_times.json").read_text())
+    times = json.loads((first.path / EXPORT_TIMES_FILE).read_text())
     assert times["export_seconds"] > 0 and "verify_components" in times["phases_s"]
     here = [str(Path(torch.__file__).parent), str(Path(__file__).parent)]
     for prog in (first.path / "programs").iterdir():

@@ -72,23 +72,51 @@ def test_landing_receives_into_pooled_tensor_and_reuses_it() -> None:
     assert t.shape == (256, 256) and t.dtype == torch.float32
     assert spec[1] == meta.nbytes  # MPI writes the payload's bytes, not the size class's
     ptr = t.data_ptr()
+    assert ptr % bf.ALIGN == 0  # a cache line's start: a copy into it runs faster than into malloc's 16-byte offset
     del t, spec
-    t2, _ = bf.landing(meta, None, False)
+    # only the tensors hold a buffer: MPI's request drops its spec once the payload has landed
+    t2 = bf.landing(meta, None, False)[0]
     assert t2.data_ptr() == ptr  # the buffer came back to the pool
-    t3, _ = bf.landing(meta, None, False)
+    t3 = bf.landing(meta, None, False)[0]
     assert t3.data_ptr() != t2.data_ptr()  # t2 is still alive: never handed out twice
     assert pool.size_class(1 << 20) == 1 << 20
 
 
 def test_pool_buffer_stays_busy_while_a_view_lives() -> None:
     meta = tp.TensorMeta(0, torch.float32, (128, 512))
-    t, _ = bf.landing(meta, None, False)
+    t = bf.landing(meta, None, False)[0]
     row = t[3:4]
     ptr = t.data_ptr()
     del t
-    t2, _ = bf.landing(meta, None, False)
+    t2 = bf.landing(meta, None, False)[0]
     assert t2.data_ptr() != ptr
     assert sys.getrefcount(row) >= 2
+    del row, t2
+    assert bf.landing(meta, None, False)[0].data_ptr() == ptr  # free once the view is gone
+
+
+def test_a_window_of_pooled_payloads_in_flight_keeps_every_message_apart() -> None:
+    """Messages taken while the ones before them are still held each land in a buffer of their own (a pooled
+    buffer handed out twice would show here as every message holding the last one's values)."""
+    from hpcsplit.core.mpi import MPI
+
+    comm, st = MPI.COMM_SELF, MPI.Status()
+    sent = [torch.full((256, 256), float(k)) for k in range(6)]  # 256 KiB each: separate, pooled payloads
+    handles = [tp.isend_message(comm, 0, tp.KIND_DATA, (k,), (), [(0, x)]) for k, x in enumerate(sent)]
+    got = []
+    for _ in sent:
+        m = tp.take_message(comm, None, 0, st)
+        assert m is not None
+        if isinstance(m, tp.RecvHandle):
+            m = m.wait()
+        got.append(m)
+    for h in handles:
+        h.wait()
+    assert [m.header.request_ids for m in got] == [(k,) for k in range(6)]
+    assert len({m.tensors[0].data_ptr() for m in got}) == 6
+    for k, m in enumerate(got):
+        assert torch.equal(m.tensors[0], sent[k]), f"message {k} holds another message's values"
+        assert m.tensors[0].data_ptr() % bf.ALIGN == 0
 
 
 @pytest.mark.parametrize("dtype", bf.DTYPES)

@@ -163,8 +163,10 @@ def _cold(b2b: Sequence[float], after: Mapping[str, Sequence[float]],
     pts = [(0.0, 0.0)]
     for g, v in after.items():
         w = (warm or {}).get(g)
-        pair = w is not None and len(w) == len(v) and len(v) > 0
-        pts.append((float(g), _med(np.subtract(v, w)) if pair else _med(v) - base))
+        if w is not None and len(w) == len(v) and len(v) > 0:
+            pts.append((float(g), _med([a - b for a, b in zip(v, w, strict=True)])))
+        else:
+            pts.append((float(g), _med(v) - base))
     return _increasing(pts)
 
 

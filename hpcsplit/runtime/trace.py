@@ -4,12 +4,14 @@
 when any of its requests is in the window.  Each rank writes ``rank<r>.json`` into the run folder's
 ``trace/`` (``RunPaths.trace_dir``); open
 them together in https://ui.perfetto.dev (timestamps are the node's monotonic clock, so ranks of one
-node line up).
+node line up; each file names its host).  ``python -m hpcsplit.bench hops RUN_DIR`` reads every hop of the
+traced requests from them, against the calibration.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,5 +66,6 @@ class Tracer:
         path = Path(trace_dir) / f"rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms",
-                                    "otherData": {"clock": "perf_counter", "written": time.time()}}))
+                                    "otherData": {"clock": "perf_counter", "host": socket.gethostname(),
+                                                  "written": time.time()}}))
         return path

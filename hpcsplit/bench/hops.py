@@ -1,0 +1,316 @@
+"""Each hop of a traced run, measured against the calibration: ``python -m hpcsplit.bench hops RUN_DIR``.
+
+    python -m hpcsplit stage=bench ... runtime.trace.start_step=0 runtime.trace.end_step=1000000
+    python -m hpcsplit.bench hops outputs/<run> [--variant split [--qps 2048]] [--calibration PATH] [--out DIR]
+
+A run traced with ``runtime.trace.*`` (``hpcsplit/runtime/trace.py``) has, per rank, spans of its receives,
+computes and sends, each naming its requests and (a receive) its source.  For every request and every edge
+``a -> b`` it went through, this reads:
+
+* **hop**: from the start of ``a``'s send of that request (the frontend's ``admit_send``) to the moment ``b``
+  took the message (the start of its ``recv`` span): what the calibration's ``hop`` is (``[Note: calibration
+  fit]``: the sender's send, the wake-up, the message; not the receiver's CPU after it took it);
+* **gap**: how long ``b`` had been idle then, since the end of its traced span before (the key of the
+  calibrated curve; a rank's first traced span has none and is left out, and a rank busy with requests
+  outside the traced window between two traced ones shows a longer gap than it had);
+* **calibrated**: the calibration's ``hop`` at that gap (with ``--calibration``), what the simulator charges
+  a message to a sleeping rank before any wait for a core (``[Note: simulator]``).
+
+``--variant`` (and ``--qps``) keep the requests of one variant (and level) of a bench run, by the request ids
+its ``bench/requests.h5`` holds.  It prints one row per edge (medians over its requests), the sum over the
+edges, and writes ``hops.csv`` and
+``hops.png`` (every hop against its gap, the calibrated curve over it) to ``--out`` (default: the run's
+``trace/``).  Only ranks of one node share a clock: an edge between two hosts is named and left out.  The
+trace files are read as untrusted input: a file that is not a trace this code wrote is refused by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcsplit.core.calibration import Calibration, load_calibration
+from hpcsplit.errors import HpcsplitError
+
+__all__ = ["Hop", "main", "read_trace", "trace_hops"]
+
+MAX_TRACE_BYTES = 256 << 20  # per rank file
+_RANK_FILE = re.compile(r"rank(\d{1,6})\.json")
+_SEND = {"send", "admit_send"}
+_RECV = {"recv", "recv_output"}
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    start_us: float
+    end_us: float
+    requests: tuple[int, ...]
+    src: int | None
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One request's way over one edge ``src -> dst`` (milliseconds)."""
+
+    src: int
+    dst: int
+    request: int
+    hop_ms: float
+    gap_ms: float
+
+
+def _bad(path: Path, what: str) -> HpcsplitError:
+    return HpcsplitError(f"{path} is not a trace of hpcsplit's runtime ({what}); trace a run with "
+                         "runtime.trace.start_step=N runtime.trace.end_step=M and pass its run folder")
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_trace(path: str | Path) -> tuple[str, str | None, list[Span]]:
+    """One rank's trace file: its label (``rank 1 stem``), its host (None in files of older versions) and its
+    spans in time order.  Raises :class:`HpcsplitError` naming the file and what is wrong with it."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            data = fh.read(MAX_TRACE_BYTES + 1)
+    except OSError as e:
+        raise HpcsplitError(f"cannot read trace file {p}: {e.strerror or e}") from e
+    if len(data) > MAX_TRACE_BYTES:
+        raise _bad(p, f"larger than {MAX_TRACE_BYTES >> 20} MiB")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise _bad(p, f"not JSON: {err}") from None
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    if not isinstance(events, list):
+        raise _bad(p, "no traceEvents list")
+    other = doc.get("otherData")
+    host = other.get("host") if isinstance(other, dict) and isinstance(other.get("host"), str) else None
+    label, spans = p.stem, []
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise _bad(p, f"event {i} is not an object")
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            args = ev.get("args")
+            if isinstance(args, dict) and isinstance(args.get("name"), str):
+                label = args["name"][:80]
+            continue
+        if ev.get("ph") != "X":
+            continue
+        args = ev.get("args")
+        name, ts, dur = ev.get("name"), ev.get("ts"), ev.get("dur")
+        if not (isinstance(name, str) and isinstance(ts, (int, float)) and isinstance(dur, (int, float))
+                and _num(ts) and _num(dur) and dur >= 0 and isinstance(args, dict)):
+            raise _bad(p, f"event {i} lacks a name, a finite ts and dur >= 0, or args")
+        reqs, src = args.get("requests"), args.get("src")
+        if not isinstance(reqs, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in reqs):
+            raise _bad(p, f"event {i}'s requests are not a list of integers")
+        if src is not None and (not isinstance(src, int) or isinstance(src, bool) or src < 0):
+            raise _bad(p, f"event {i}'s src is not a rank")
+        spans.append(Span(name, float(ts), float(ts) + float(dur), tuple(reqs), src))
+    spans.sort(key=lambda s: s.start_us)
+    return label, host, spans
+
+
+def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[str]]:
+    """Every hop of the traced requests (see the module's docstring), the ranks' labels, and notes (edges
+    left out)."""
+    d = Path(trace_dir)
+    files = sorted((int(m.group(1)), f) for f in d.glob("rank*.json") if (m := _RANK_FILE.fullmatch(f.name)))
+    if not files:
+        raise HpcsplitError(f"no rank<r>.json trace files in {d}; run stage=bench (or serve) with "
+                            "runtime.trace.start_step=N runtime.trace.end_step=M, then pass its run folder")
+    labels: dict[int, str] = {}
+    hosts: dict[int, str | None] = {}
+    spans: dict[int, list[Span]] = {}
+    for rank, f in files:
+        labels[rank], hosts[rank], spans[rank] = read_trace(f)
+    sends: dict[tuple[int, int], Span] = {}  # (rank, request) -> its first send span holding the request
+    for rank, ss in spans.items():
+        for s in ss:
+            if s.name in _SEND:
+                for q in s.requests:
+                    sends.setdefault((rank, q), s)
+    hops: list[Hop] = []
+    cross: set[tuple[int, int]] = set()
+    for dst, ss in spans.items():
+        prev_end: float | None = None
+        for s in ss:
+            if s.name in _RECV and s.src is not None and prev_end is not None:
+                if hosts.get(s.src) != hosts[dst] and s.src in hosts:
+                    cross.add((s.src, dst))
+                else:
+                    gap = max(0.0, s.start_us - prev_end) / 1e3
+                    for q in s.requests:
+                        snd = sends.get((s.src, q))
+                        if snd is not None and snd.start_us <= s.start_us:
+                            hops.append(Hop(s.src, dst, q, (s.start_us - snd.start_us) / 1e3, gap))
+            prev_end = s.end_us if prev_end is None else max(prev_end, s.end_us)
+    notes = [f"edge {a} -> {b} left out: the ranks run on different hosts ({hosts[a]}, {hosts[b]}), whose clocks "
+             "differ" for a, b in sorted(cross)]
+    return hops, labels, notes
+
+
+def bench_requests(run_dir: str | Path, variant: str, qps: float | None = None) -> set[int]:
+    """The request ids of one variant (and level) of the bench run in ``run_dir`` (``bench/requests.h5``)."""
+    import h5py
+
+    path = Path(run_dir) / "bench" / "requests.h5"
+    if not path.is_file():
+        raise HpcsplitError(f"--variant needs the bench's requests ({path} is not there); pass the run folder of a "
+                            "stage=bench run")
+    ids: set[int] = set()
+    try:
+        with h5py.File(path, "r") as f:
+            g = f.get(variant)
+            if not isinstance(g, h5py.Group):
+                raise HpcsplitError(f"{path} has no variant {variant!r} (it has {sorted(f)})")
+            levels = sorted(k for k in g if k.startswith("qps_"))
+            want = levels if qps is None else [k for k in levels if _level(k) == qps]
+            if not want:
+                raise HpcsplitError(f"{path}: {variant} has no level at {qps:g} req/s (it has "
+                                    f"{', '.join(k[4:] for k in levels)})")
+            for k in want:
+                d = g[k].get("request_ids")
+                if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype.kind not in "iu" or d.size > 1 << 26:
+                    raise HpcsplitError(f"{path}: {variant}/{k}/request_ids is not a list of request ids")
+                ids.update(int(x) for x in d[()])
+    except OSError as e:
+        raise HpcsplitError(f"cannot read {path} as HDF5: {e}") from e
+    return ids
+
+
+def _level(key: str) -> float:
+    try:
+        return float(key[4:])
+    except ValueError:
+        return math.nan
+
+
+def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None) -> list[dict[str, Any]]:
+    """One row per edge: requests, medians of gap and hop, the hop's p90, and the calibrated hop's median."""
+    by: dict[tuple[int, int], list[Hop]] = defaultdict(list)
+    for h in hops:
+        by[(h.src, h.dst)].append(h)
+    rows = []
+    for (a, b), hs in sorted(by.items()):
+        hop = np.array([h.hop_ms for h in hs])
+        gap = np.array([h.gap_ms for h in hs])
+        row: dict[str, Any] = {"src": a, "dst": b, "edge": f"{labels.get(a, a)} -> {labels.get(b, b)}",
+                               "requests": len(hs), "gap_p50_ms": float(np.median(gap)),
+                               "hop_p50_ms": float(np.median(hop)), "hop_p90_ms": float(np.quantile(hop, 0.9))}
+        if cal is not None:
+            c = np.array([cal.hop.at(g) for g in gap])
+            row["calibrated_p50_ms"] = float(np.median(c))
+            row["measured_over_calibrated"] = row["hop_p50_ms"] / row["calibrated_p50_ms"] if row[
+                "calibrated_p50_ms"] > 0 else math.nan
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], cal: bool) -> str:
+    head = f"{'edge':<34} {'n':>5} {'gap p50':>9} {'hop p50':>8} {'hop p90':>8}"
+    head += f" {'calib.':>8} {'meas/cal':>8}" if cal else ""
+    lines = [head + "   (ms)", "-" * len(head)]
+    for r in rows:
+        line = (f"{r['edge'][:34]:<34} {r['requests']:>5} {r['gap_p50_ms']:>9.3f} {r['hop_p50_ms']:>8.3f} "
+                f"{r['hop_p90_ms']:>8.3f}")
+        if cal:
+            line += f" {r['calibrated_p50_ms']:>8.3f} {r['measured_over_calibrated']:>7.2f}x"
+        lines.append(line)
+    tot = sum(r["hop_p50_ms"] for r in rows)
+    last = f"{'sum over the edges':<34} {'':>5} {'':>9} {tot:>8.3f} {'':>8}"
+    if cal:
+        tc = sum(r["calibrated_p50_ms"] for r in rows)
+        last += f" {tc:>8.3f} {tot / tc if tc > 0 else math.nan:>7.2f}x"
+    lines.append(last)
+    return "\n".join(lines)
+
+
+def _plot(hops: list[Hop], cal: Calibration | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gap = np.array([max(h.gap_ms, 1e-3) for h in hops])
+    ax.scatter(gap, [h.hop_ms for h in hops], s=6, alpha=0.4, label="measured hops (traced)")
+    if cal is not None:
+        g = np.logspace(-3, math.log10(max(gap.max(), 1.0) * 1.2), 200)
+        ax.plot(g, [cal.hop.at(x) for x in g], color="C3", label="calibrated hop (calibration.json)")
+    ax.set_xscale("log")
+    ax.set_xlabel("receiver idle before the message (ms; none drawn at 0.001)")
+    ax.set_ylabel("hop: send start to message taken (ms)")
+    ax.set_title("Hops of a traced run against the calibration")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcsplit.bench hops", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="a run folder with trace/rank<r>.json (or the trace folder itself)")
+    ap.add_argument("--calibration", help="calibration.json to compare with (default: the one the run's "
+                                          "bench.cfg.json names, when it exists)")
+    ap.add_argument("--variant", choices=("whole", "split"), help="only this variant's requests of a bench run")
+    ap.add_argument("--qps", type=float, help="with --variant: only this level's requests")
+    ap.add_argument("--out", help="where hops.csv and hops.png go (default: the trace folder)")
+    args = ap.parse_args(argv)
+    try:
+        run = Path(args.run_dir)
+        trace_dir = run / "trace" if (run / "trace").is_dir() else run
+        cal_path = args.calibration
+        if cal_path is None and (run / "bench.cfg.json").is_file():
+            try:
+                named = json.loads((run / "bench.cfg.json").read_text()).get("calibration")
+            except (OSError, ValueError):
+                named = None
+            if isinstance(named, str) and Path(named).is_file():
+                cal_path = named
+        cal = load_calibration(cal_path) if cal_path else None
+        hops, labels, notes = trace_hops(trace_dir)
+        what = ""
+        if args.variant:
+            keep = bench_requests(run, args.variant, args.qps)
+            hops = [h for h in hops if h.request in keep]
+            what = f", {args.variant}" + (f" at {args.qps:g} req/s" if args.qps is not None else "")
+        elif args.qps is not None:
+            raise HpcsplitError("--qps picks a level of a variant: give --variant too")
+        if not hops:
+            raise HpcsplitError(f"the traces in {trace_dir} hold no hop with both ends traced; trace a window of "
+                                "requests (runtime.trace.start_step / end_step) that the ranks served")
+        rows = edge_rows(hops, labels, cal)
+        print(f"# hops of the traced requests in {trace_dir}{what} ({len({h.request for h in hops})} requests)"
+              + (f", against {cal_path}" if cal else ""))
+        print(_table(rows, cal is not None))
+        for n in notes:
+            print(n)
+        print("hop: the sender's send start to the receiver taking the message; gap: the receiver idle before it; "
+              "calib.: the calibration's hop at each hop's gap (the simulator's charge before any wait for a core)")
+        out = Path(args.out) if args.out else trace_dir
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "hops.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        _plot(hops, cal, out / "hops.png")
+        print(f"wrote {out / 'hops.csv'} and {out / 'hops.png'}")
+    except HpcsplitError as e:
+        print(f"error: {e}")
+        return 2
+    return 0

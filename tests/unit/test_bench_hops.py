@@ -1,0 +1,122 @@
+"""``python -m hpcsplit.bench hops``: every hop of a traced run, read from the runtime's own trace files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcsplit.bench import hops as bh
+from hpcsplit.core.calibration import Calibration, Curve
+from hpcsplit.errors import HpcsplitError
+from hpcsplit.runtime.trace import Tracer
+
+
+def _chain_traces(d: Path, host1: str = "n0") -> None:
+    """Frontend 0 -> stem 1 -> head 2 -> frontend 0 for requests 10..13, one every 10 ms, written by the runtime's
+    own :class:`Tracer` (times in seconds, as the runtime passes them)."""
+    tr = {r: Tracer(r, 0, 100, label) for r, label in ((0, "frontend"), (1, "stem"), (2, "head"))}
+    for k, q in enumerate(range(10, 14)):
+        t = k * 0.010
+        tr[0].span("admit_send", t, t + 50e-6, [q])
+        tr[1].span("recv", t + 300e-6, t + 310e-6, [q], src=0)  # hop 0 -> 1: 0.3 ms from the send's start
+        tr[1].span("compute", t + 320e-6, t + 420e-6, [q])
+        tr[1].span("send", t + 420e-6, t + 450e-6, [q])
+        tr[2].span("recv", t + 620e-6, t + 630e-6, [q], src=1)  # hop 1 -> 2: 0.2 ms
+        tr[2].span("compute", t + 640e-6, t + 700e-6, [q])
+        tr[2].span("send", t + 700e-6, t + 720e-6, [q])
+        tr[0].span("recv_output", t + 800e-6, t + 810e-6, [q], src=2)  # hop 2 -> 0: 0.1 ms
+    for r, t in tr.items():
+        p = t.write(d)
+        assert p is not None
+        doc = json.loads(p.read_text())
+        doc["otherData"]["host"] = host1 if r == 1 else "n0"  # the file names its host; here, chosen
+        p.write_text(json.dumps(doc))
+
+
+def test_every_hop_and_the_receivers_idle_gap_are_read_from_the_traces(tmp_path: Path) -> None:
+    _chain_traces(tmp_path)
+    hops, labels, notes = bh.trace_hops(tmp_path)
+    assert labels == {0: "rank 0 frontend", 1: "rank 1 stem", 2: "rank 2 head"} and notes == []
+    by = {(h.src, h.dst, h.request): h for h in hops}
+    # a rank's first traced receive has no span before it: no gap, left out; the three after it are read
+    assert sorted({(a, b) for a, b, _ in by}) == [(0, 1), (1, 2), (2, 0)]
+    assert sorted(q for a, b, q in by if (a, b) == (0, 1)) == [11, 12, 13]
+    h = by[(0, 1, 12)]
+    assert h.hop_ms == pytest.approx(0.3) and h.gap_ms == pytest.approx(10.0 - 0.45 + 0.3)  # idle since its send
+    assert by[(1, 2, 12)].hop_ms == pytest.approx(0.2)
+    back = by[(2, 0, 12)]  # the frontend's span before is its admit_send of the same request
+    assert back.hop_ms == pytest.approx(0.1) and back.gap_ms == pytest.approx(0.75)
+
+
+def test_edge_rows_put_the_calibrated_hop_at_each_gap_beside_the_measured_one(tmp_path: Path) -> None:
+    _chain_traces(tmp_path)
+    hops, labels, _ = bh.trace_hops(tmp_path)
+    cal = dataclasses.replace(Calibration.defaults(), hop=Curve((0.0, 1.0, 100.0), (0.05, 0.1, 1.0)))
+    rows = {r["edge"]: r for r in bh.edge_rows(hops, labels, cal)}
+    r = rows["rank 0 frontend -> rank 1 stem"]
+    assert r["requests"] == 3 and r["hop_p50_ms"] == pytest.approx(0.3)
+    assert r["calibrated_p50_ms"] == pytest.approx(cal.hop.at(r["gap_p50_ms"]))
+    assert r["measured_over_calibrated"] == pytest.approx(0.3 / cal.hop.at(r["gap_p50_ms"]))
+
+
+def test_the_command_prints_the_table_and_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    _chain_traces(run / "trace")
+    cal = Calibration.defaults().save(tmp_path / "calibration.json")
+    assert bh.main([str(run), "--calibration", str(cal), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 stem -> rank 2 head" in out and "sum over the edges" in out and "meas/cal" in out
+    assert (tmp_path / "out" / "hops.csv").read_text().splitlines()[0].startswith("src,dst,edge,requests")
+    assert (tmp_path / "out" / "hops.png").stat().st_size > 1000
+
+
+def test_an_edge_between_hosts_is_left_out_and_named(tmp_path: Path) -> None:
+    _chain_traces(tmp_path, host1="n1")
+    hops, _, notes = bh.trace_hops(tmp_path)
+    assert {(h.src, h.dst) for h in hops} == {(2, 0)}
+    assert any("0 -> 1" in n and "different hosts" in n for n in notes)
+    assert any("1 -> 2" in n for n in notes)
+
+
+@pytest.mark.parametrize("text,what", [
+    ("not json", "not JSON"),
+    ('{"events": []}', "no traceEvents"),
+    ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": "soon", "dur": 1, "args": {"requests": []}}]}', "finite ts"),
+    ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1, "dur": 1, "args": {"requests": ["a"]}}]}', "integers"),
+    ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1, "dur": 1, "args": {"requests": [1], "src": -1}}]}',
+     "not a rank"),
+])
+def test_a_file_that_is_not_a_trace_is_refused_by_name(tmp_path: Path, text: str, what: str) -> None:
+    (tmp_path / "rank0.json").write_text(text)
+    with pytest.raises(HpcsplitError, match=what) as e:
+        bh.trace_hops(tmp_path)
+    assert "rank0.json" in str(e.value)
+
+
+def test_a_folder_without_traces_says_how_to_make_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bh.main([str(tmp_path)]) == 2
+    assert "runtime.trace.start_step" in capsys.readouterr().out
+
+
+def test_variant_keeps_the_requests_of_one_variant_and_level_of_a_bench_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    h5py = pytest.importorskip("h5py")
+    run = tmp_path / "run"
+    _chain_traces(run / "trace")
+    (run / "bench").mkdir()
+    with h5py.File(run / "bench" / "requests.h5", "w") as f:
+        f["whole/qps_4/request_ids"] = [10, 11]
+        f["split/qps_4/request_ids"] = [12]
+        f["split/qps_32/request_ids"] = [13]
+    assert bh.bench_requests(run, "split") == {12, 13}
+    assert bh.bench_requests(run, "split", 32.0) == {13}
+    assert bh.main([str(run), "--variant", "split", "--qps", "4", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "split at 4 req/s (1 requests)" in out
+    assert bh.main([str(run), "--variant", "split", "--qps", "8"]) == 2
+    assert "no level at 8 req/s (it has 32, 4)" in capsys.readouterr().out
+    assert bh.main([str(run), "--qps", "4"]) == 2
+    assert "give --variant too" in capsys.readouterr().out

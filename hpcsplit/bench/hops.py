@@ -7,19 +7,22 @@ A run traced with ``runtime.trace.*`` (``hpcsplit/runtime/trace.py``) has, per r
 computes and sends, each naming its requests and (a receive) its source.  For every request and every edge
 ``a -> b`` it went through, this reads:
 
-* **hop**: from the start of ``a``'s send of that request (the frontend's ``admit_send``) to the moment ``b``
-  took the message (the start of its ``recv`` span): what the calibration's ``hop`` is (``[Note: calibration
-  fit]``: the sender's send, the wake-up, the message; not the receiver's CPU after it took it);
-* **gap**: how long ``b`` had been idle then, since the end of its traced span before (the key of the
-  calibrated curve; a rank's first traced span has none and is left out, and a rank busy with requests
-  outside the traced window between two traced ones shows a longer gap than it had);
+* **gap**: how long ``b`` had been idle when the send started, since the end of its traced work before (the
+  key of the calibrated curve, as the calibration's ping-pong keys it; 0 when ``b`` was working; a rank's first
+  traced span has none and is left out, and a rank busy with requests outside the traced window between two
+  traced ones shows a longer gap than it had);
+* **busy**: how long after the send's start ``b`` was still working (on other requests): the message waited
+  for it, which the simulator models as the rank's own queue, not as the hop;
+* **hop**: from the later of the send's start and the end of ``b``'s work to the moment ``b`` took the
+  message (the start of its ``recv`` span): what the calibration's ``hop`` is (``[Note: calibration fit]``: the
+  sender's send, the wake-up, the message; not the receiver's CPU after it took it), with any wait for a core;
 * **calibrated**: the calibration's ``hop`` at that gap (with ``--calibration``), what the simulator charges
   a message to a sleeping rank before any wait for a core (``[Note: simulator]``).
 
 ``--variant`` (and ``--qps``) keep the requests of one variant (and level) of a bench run, by the request ids
-its ``bench/requests.h5`` holds.  It prints one row per edge (medians over its requests), the sum over the
-edges, and writes ``hops.csv`` and
-``hops.png`` (every hop against its gap, the calibrated curve over it) to ``--out`` (default: the run's
+its ``bench/requests.h5`` holds.  It prints one row per edge (medians over its requests: a message carrying
+several requests counts once for each, as their latencies do), the sums over the edges, and writes ``hops.csv``
+and ``hops.png`` (every hop against its gap, the calibrated curve over it) to ``--out`` (default: the run's
 ``trace/``).  Only ranks of one node share a clock: an edge between two hosts is named and left out.  The
 trace files are read as untrusted input: a file that is not a trace this code wrote is refused by name.
 """
@@ -27,7 +30,9 @@ trace files are read as untrusted input: a file that is not a trace this code wr
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
+import itertools
 import json
 import math
 import re
@@ -44,9 +49,10 @@ from hpcsplit.errors import HpcsplitError
 __all__ = ["Hop", "main", "read_trace", "trace_hops"]
 
 MAX_TRACE_BYTES = 256 << 20  # per rank file
-_RANK_FILE = re.compile(r"rank(\d{1,6})\.json")
+_RANK_FILE = re.compile(r"rank(0|[1-9]\d{0,5})\.json")  # as the tracer names them
 _SEND = {"send", "admit_send"}
 _RECV = {"recv", "recv_output"}
+_WORK = _SEND | _RECV | {"compute"}  # a rank's own work (serve mode's per-request span is not)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Span:
     end_us: float
     requests: tuple[int, ...]
     src: int | None
+    n: int  # requests of the span (its list holds the first 64)
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,9 @@ class Hop:
     src: int
     dst: int
     request: int
-    hop_ms: float
-    gap_ms: float
+    hop_ms: float  # from the later of the send's start and the receiver's end of work, to the message taken
+    gap_ms: float  # how long the receiver had been idle when the send started (0: it was working)
+    busy_ms: float  # how long after the send's start the receiver was still working (the message waited)
 
 
 def _bad(path: Path, what: str) -> HpcsplitError:
@@ -75,7 +83,10 @@ def _bad(path: Path, what: str) -> HpcsplitError:
 
 
 def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def read_trace(path: str | Path) -> tuple[str, str | None, list[Span]]:
@@ -119,14 +130,17 @@ def read_trace(path: str | Path) -> tuple[str, str | None, list[Span]]:
             raise _bad(p, f"event {i}'s requests are not a list of integers")
         if src is not None and (not isinstance(src, int) or isinstance(src, bool) or src < 0):
             raise _bad(p, f"event {i}'s src is not a rank")
-        spans.append(Span(name, float(ts), float(ts) + float(dur), tuple(reqs), src))
+        n = args.get("n", len(reqs))
+        if not isinstance(n, int) or isinstance(n, bool) or n < len(reqs):
+            raise _bad(p, f"event {i}'s n is not a count of its requests")
+        spans.append(Span(name, float(ts), float(ts) + float(dur), tuple(reqs), src, n))
     spans.sort(key=lambda s: s.start_us)
     return label, host, spans
 
 
 def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[str]]:
     """Every hop of the traced requests (see the module's docstring), the ranks' labels, and notes (edges
-    left out)."""
+    left out, spans whose request lists the tracer cut)."""
     d = Path(trace_dir)
     files = sorted((int(m.group(1)), f) for f in d.glob("rank*.json") if (m := _RANK_FILE.fullmatch(f.name)))
     if not files:
@@ -135,31 +149,45 @@ def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[s
     labels: dict[int, str] = {}
     hosts: dict[int, str | None] = {}
     spans: dict[int, list[Span]] = {}
+    cut = 0
     for rank, f in files:
-        labels[rank], hosts[rank], spans[rank] = read_trace(f)
+        labels[rank], hosts[rank], ss = read_trace(f)
+        spans[rank] = [x for x in ss if x.name in _WORK]
+        cut += sum(x.n > len(x.requests) for x in spans[rank])
     sends: dict[tuple[int, int], Span] = {}  # (rank, request) -> its first send span holding the request
     for rank, ss in spans.items():
-        for s in ss:
-            if s.name in _SEND:
-                for q in s.requests:
-                    sends.setdefault((rank, q), s)
+        for x in ss:
+            if x.name in _SEND:
+                for q in x.requests:
+                    sends.setdefault((rank, q), x)
     hops: list[Hop] = []
     cross: set[tuple[int, int]] = set()
     for dst, ss in spans.items():
-        prev_end: float | None = None
-        for s in ss:
-            if s.name in _RECV and s.src is not None and prev_end is not None:
-                if hosts.get(s.src) != hosts[dst] and s.src in hosts:
-                    cross.add((s.src, dst))
-                else:
-                    gap = max(0.0, s.start_us - prev_end) / 1e3
-                    for q in s.requests:
-                        snd = sends.get((s.src, q))
-                        if snd is not None and snd.start_us <= s.start_us:
-                            hops.append(Hop(s.src, dst, q, (s.start_us - snd.start_us) / 1e3, gap))
-            prev_end = s.end_us if prev_end is None else max(prev_end, s.end_us)
+        starts = [x.start_us for x in ss]
+        ends = list(itertools.accumulate((x.end_us for x in ss), max))  # busy until, over the spans so far
+        for k, x in enumerate(ss):
+            if x.name not in _RECV or x.src is None:
+                continue
+            if hosts.get(x.src) != hosts[dst] and x.src in hosts:
+                cross.add((x.src, dst))
+                continue
+            for q in x.requests:
+                snd = sends.get((x.src, q))
+                if snd is None or snd.start_us > x.start_us:
+                    continue
+                before = bisect.bisect_left(starts, snd.start_us, 0, k)  # the receiver's spans begun before the send
+                if before == 0:
+                    continue  # its first traced span: how long it had been idle is not known
+                idle_since = ends[before - 1]
+                busy_until = ends[k - 1] if k else idle_since
+                ready = max(snd.start_us, busy_until)
+                hops.append(Hop(x.src, dst, q, (x.start_us - ready) / 1e3, max(0.0, snd.start_us - idle_since) / 1e3,
+                                max(0.0, busy_until - snd.start_us) / 1e3))
     notes = [f"edge {a} -> {b} left out: the ranks run on different hosts ({hosts[a]}, {hosts[b]}), whose clocks "
              "differ" for a, b in sorted(cross)]
+    if cut:
+        notes.append(f"{cut} span(s) name only the first 64 of their requests (the tracer keeps 64): the hops of the "
+                     "others are not read")
     return hops, labels, notes
 
 
@@ -177,18 +205,18 @@ def bench_requests(run_dir: str | Path, variant: str, qps: float | None = None) 
             g = f.get(variant)
             if not isinstance(g, h5py.Group):
                 raise HpcsplitError(f"{path} has no variant {variant!r} (it has {sorted(f)})")
-            levels = sorted(k for k in g if k.startswith("qps_"))
-            want = levels if qps is None else [k for k in levels if _level(k) == qps]
+            levels = sorted(k for k in g if k.startswith("qps_") and isinstance(g.get(k), h5py.Group))
+            want = levels if qps is None else [k for k in levels if math.isclose(_level(k), qps, rel_tol=1e-6)]
             if not want:
-                raise HpcsplitError(f"{path}: {variant} has no level at {qps:g} req/s (it has "
-                                    f"{', '.join(k[4:] for k in levels)})")
+                at = "level" if qps is None else f"level at {qps:g} req/s"
+                raise HpcsplitError(f"{path}: {variant} has no {at} (it has {', '.join(k[4:] for k in levels) or 'none'})")
             for k in want:
                 d = g[k].get("request_ids")
                 if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype.kind not in "iu" or d.size > 1 << 26:
                     raise HpcsplitError(f"{path}: {variant}/{k}/request_ids is not a list of request ids")
                 ids.update(int(x) for x in d[()])
-    except OSError as e:
-        raise HpcsplitError(f"cannot read {path} as HDF5: {e}") from e
+    except (OSError, KeyError) as e:
+        raise HpcsplitError(f"cannot read {path} as the bench's HDF5 requests: {e}") from e
     return ids
 
 
@@ -200,7 +228,7 @@ def _level(key: str) -> float:
 
 
 def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None) -> list[dict[str, Any]]:
-    """One row per edge: requests, medians of gap and hop, the hop's p90, and the calibrated hop's median."""
+    """One row per edge: requests, medians of gap, busy and hop, the hop's p90, and the calibrated hop's median."""
     by: dict[tuple[int, int], list[Hop]] = defaultdict(list)
     for h in hops:
         by[(h.src, h.dst)].append(h)
@@ -210,28 +238,28 @@ def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None) 
         gap = np.array([h.gap_ms for h in hs])
         row: dict[str, Any] = {"src": a, "dst": b, "edge": f"{labels.get(a, a)} -> {labels.get(b, b)}",
                                "requests": len(hs), "gap_p50_ms": float(np.median(gap)),
+                               "busy_p50_ms": float(np.median([h.busy_ms for h in hs])),
                                "hop_p50_ms": float(np.median(hop)), "hop_p90_ms": float(np.quantile(hop, 0.9))}
         if cal is not None:
-            c = np.array([cal.hop.at(g) for g in gap])
-            row["calibrated_p50_ms"] = float(np.median(c))
-            row["measured_over_calibrated"] = row["hop_p50_ms"] / row["calibrated_p50_ms"] if row[
-                "calibrated_p50_ms"] > 0 else math.nan
+            c = float(np.median([cal.hop.at(g) for g in gap]))
+            row["calibrated_p50_ms"] = c
+            row["measured_over_calibrated"] = row["hop_p50_ms"] / c if c > 0 else math.nan
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]], cal: bool) -> str:
-    head = f"{'edge':<34} {'n':>5} {'gap p50':>9} {'hop p50':>8} {'hop p90':>8}"
+    head = f"{'edge':<34} {'n':>6} {'gap p50':>9} {'busy p50':>8} {'hop p50':>8} {'hop p90':>8}"
     head += f" {'calib.':>8} {'meas/cal':>8}" if cal else ""
     lines = [head + "   (ms)", "-" * len(head)]
     for r in rows:
-        line = (f"{r['edge'][:34]:<34} {r['requests']:>5} {r['gap_p50_ms']:>9.3f} {r['hop_p50_ms']:>8.3f} "
-                f"{r['hop_p90_ms']:>8.3f}")
+        line = (f"{r['edge'][:34]:<34} {r['requests']:>6} {r['gap_p50_ms']:>9.3f} {r['busy_p50_ms']:>8.3f} "
+                f"{r['hop_p50_ms']:>8.3f} {r['hop_p90_ms']:>8.3f}")
         if cal:
             line += f" {r['calibrated_p50_ms']:>8.3f} {r['measured_over_calibrated']:>7.2f}x"
         lines.append(line)
-    tot = sum(r["hop_p50_ms"] for r in rows)
-    last = f"{'sum over the edges':<34} {'':>5} {'':>9} {tot:>8.3f} {'':>8}"
+    tot, busy = sum(r["hop_p50_ms"] for r in rows), sum(r["busy_p50_ms"] for r in rows)
+    last = f"{'sum over the edges':<34} {'':>6} {'':>9} {busy:>8.3f} {tot:>8.3f} {'':>8}"
     if cal:
         tc = sum(r["calibrated_p50_ms"] for r in rows)
         last += f" {tc:>8.3f} {tot / tc if tc > 0 else math.nan:>7.2f}x"
@@ -261,12 +289,27 @@ def _plot(hops: list[Hop], cal: Calibration | None, path: Path) -> None:
     plt.close(fig)
 
 
+def _run_calibration(run: Path) -> str | None:
+    """The calibration a bench run used: the one its ``bench.cfg.json`` names (relative to the run folder when
+    not absolute), else the run folder's own ``calibration.json``; None when neither is there."""
+    named: Any = None
+    try:
+        cfg = json.loads((run / "bench.cfg.json").read_text())
+        named = cfg.get("calibration") if isinstance(cfg, dict) else None
+    except (OSError, ValueError):
+        pass
+    for c in ([run / named] if isinstance(named, str) else []) + [run / "calibration.json"]:
+        if c.is_file():  # an absolute name stays itself under ``run /``
+            return str(c)
+    return None
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcsplit.bench hops", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="a run folder with trace/rank<r>.json (or the trace folder itself)")
     ap.add_argument("--calibration", help="calibration.json to compare with (default: the one the run's "
-                                          "bench.cfg.json names, when it exists)")
+                                          "bench.cfg.json names, else the run folder's, when there)")
     ap.add_argument("--variant", choices=("whole", "split"), help="only this variant's requests of a bench run")
     ap.add_argument("--qps", type=float, help="with --variant: only this level's requests")
     ap.add_argument("--out", help="where hops.csv and hops.png go (default: the trace folder)")
@@ -275,13 +318,8 @@ def main(argv: list[str]) -> int:
         run = Path(args.run_dir)
         trace_dir = run / "trace" if (run / "trace").is_dir() else run
         cal_path = args.calibration
-        if cal_path is None and (run / "bench.cfg.json").is_file():
-            try:
-                named = json.loads((run / "bench.cfg.json").read_text()).get("calibration")
-            except (OSError, ValueError):
-                named = None
-            if isinstance(named, str) and Path(named).is_file():
-                cal_path = named
+        if cal_path is None:
+            cal_path = _run_calibration(run)
         cal = load_calibration(cal_path) if cal_path else None
         hops, labels, notes = trace_hops(trace_dir)
         what = ""
@@ -303,12 +341,16 @@ def main(argv: list[str]) -> int:
         print("hop: the sender's send start to the receiver taking the message; gap: the receiver idle before it; "
               "calib.: the calibration's hop at each hop's gap (the simulator's charge before any wait for a core)")
         out = Path(args.out) if args.out else trace_dir
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "hops.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        _plot(hops, cal, out / "hops.png")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "hops.csv", "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+            _plot(hops, cal, out / "hops.png")
+        except OSError as e:
+            raise HpcsplitError(f"cannot write hops.csv and hops.png to {out}: {e.strerror or e}; pass --out DIR "
+                                "somewhere writable") from e
         print(f"wrote {out / 'hops.csv'} and {out / 'hops.png'}")
     except HpcsplitError as e:
         print(f"error: {e}")

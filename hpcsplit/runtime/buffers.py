@@ -212,8 +212,10 @@ class BufferPool:
     An aligned buffer is a slice of a larger array, its *owner* (``buffer.base``).  numpy gives an array made
     over a slice (``np.ndarray(shape, dtype, buffer)``) the owner as its base, not the slice, so it is the
     owner's reference count (``sys.getrefcount``) that rises while a tensor made from the buffer lives; the
-    slice's own count does not move (counting the slice handed one buffer to every message of a window in
-    flight at once).  The count of a free owner is measured once, on a probe buffer, when the pool is made.
+    slice's own count does not move (counting the slice alone handed one buffer to every message of a window in
+    flight at once).  Whatever holds the slice itself (a receive's buffer spec, a memoryview) raises the slice's
+    count instead, so a buffer is free when both counts are a free buffer's, measured once on a probe buffer
+    when the pool is made.
     """
 
     def __init__(self, min_bytes: int = 64 << 10, max_bytes: int = 2 << 30, per_class: int = 64) -> None:
@@ -224,13 +226,13 @@ class BufferPool:
         self.hits = 0
         self.misses = 0
         probe = [aligned_empty(64)]
-        self._free_refs = self._refs(probe)  # a free owner's reference count, as take's loop sees it
+        self._free_refs = self._refs(probe)  # a free buffer's reference counts (its own, its owner's), as take sees them
 
     @staticmethod
-    def _refs(bufs: list[np.ndarray]) -> int:
+    def _refs(bufs: list[np.ndarray]) -> tuple[int, int]:
         for b in bufs:
-            return sys.getrefcount(b.base)
-        return 0
+            return sys.getrefcount(b), sys.getrefcount(b.base)
+        return 0, 0
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -259,9 +261,10 @@ class BufferPool:
         bufs = self.free.get(cls)
         if bufs is None:
             bufs = self.free[cls] = []
-        free = self._free_refs
+        own, owner = self._free_refs
         for b in bufs:
-            if sys.getrefcount(b.base) == free:  # nothing made from b lives ([Note: pool buffers in use])
+            # nothing made from b lives, and nothing holds b itself ([Note: pool buffers in use])
+            if sys.getrefcount(b.base) == owner and sys.getrefcount(b) == own:
                 self.hits += 1
                 return b
         self.misses += 1

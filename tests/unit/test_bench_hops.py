@@ -24,7 +24,9 @@ def _chain_traces(d: Path, host1: str = "n0") -> None:
         tr[1].span("recv", t + 300e-6, t + 310e-6, [q], src=0)  # hop 0 -> 1: 0.3 ms from the send's start
         tr[1].span("compute", t + 320e-6, t + 420e-6, [q])
         tr[1].span("send", t + 420e-6, t + 450e-6, [q])
-        tr[2].span("recv", t + 620e-6, t + 630e-6, [q], src=1)  # hop 1 -> 2: 0.2 ms
+        if q == 13:  # head still works on another request when stem's send starts (t + 0.42 ms), to t + 0.55
+            tr[2].span("compute", t + 400e-6, t + 550e-6, [50])
+        tr[2].span("recv", t + 620e-6, t + 630e-6, [q], src=1)  # hop 1 -> 2: 0.2 ms (13: 0.07 after it is free)
         tr[2].span("compute", t + 640e-6, t + 700e-6, [q])
         tr[2].span("send", t + 700e-6, t + 720e-6, [q])
         tr[0].span("recv_output", t + 800e-6, t + 810e-6, [q], src=2)  # hop 2 -> 0: 0.1 ms
@@ -45,10 +47,14 @@ def test_every_hop_and_the_receivers_idle_gap_are_read_from_the_traces(tmp_path:
     assert sorted({(a, b) for a, b, _ in by}) == [(0, 1), (1, 2), (2, 0)]
     assert sorted(q for a, b, q in by if (a, b) == (0, 1)) == [11, 12, 13]
     h = by[(0, 1, 12)]
-    assert h.hop_ms == pytest.approx(0.3) and h.gap_ms == pytest.approx(10.0 - 0.45 + 0.3)  # idle since its send
+    # the gap is the receiver's idle time when the send started: stem's last work (its send of 11) ended 0.45 ms
+    # into the 10 ms before
+    assert h.hop_ms == pytest.approx(0.3) and h.gap_ms == pytest.approx(10.0 - 0.45) and h.busy_ms == 0.0
     assert by[(1, 2, 12)].hop_ms == pytest.approx(0.2)
+    busy = by[(1, 2, 13)]  # head was working when the send started: the message waited for it, then hopped
+    assert busy.gap_ms == 0.0 and busy.busy_ms == pytest.approx(0.13) and busy.hop_ms == pytest.approx(0.07)
     back = by[(2, 0, 12)]  # the frontend's span before is its admit_send of the same request
-    assert back.hop_ms == pytest.approx(0.1) and back.gap_ms == pytest.approx(0.75)
+    assert back.hop_ms == pytest.approx(0.1) and back.gap_ms == pytest.approx(0.65)
 
 
 def test_edge_rows_put_the_calibrated_hop_at_each_gap_beside_the_measured_one(tmp_path: Path) -> None:
@@ -57,7 +63,7 @@ def test_edge_rows_put_the_calibrated_hop_at_each_gap_beside_the_measured_one(tm
     cal = dataclasses.replace(Calibration.defaults(), hop=Curve((0.0, 1.0, 100.0), (0.05, 0.1, 1.0)))
     rows = {r["edge"]: r for r in bh.edge_rows(hops, labels, cal)}
     r = rows["rank 0 frontend -> rank 1 stem"]
-    assert r["requests"] == 3 and r["hop_p50_ms"] == pytest.approx(0.3)
+    assert r["requests"] == 3 and r["hop_p50_ms"] == pytest.approx(0.3) and r["busy_p50_ms"] == 0.0
     assert r["calibrated_p50_ms"] == pytest.approx(cal.hop.at(r["gap_p50_ms"]))
     assert r["measured_over_calibrated"] == pytest.approx(0.3 / cal.hop.at(r["gap_p50_ms"]))
 
@@ -88,6 +94,10 @@ def test_an_edge_between_hosts_is_left_out_and_named(tmp_path: Path) -> None:
     ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1, "dur": 1, "args": {"requests": ["a"]}}]}', "integers"),
     ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1, "dur": 1, "args": {"requests": [1], "src": -1}}]}',
      "not a rank"),
+    ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1' + "0" * 400 + ', "dur": 1, "args": {"requests": []}}]}',
+     "finite ts"),
+    ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1, "dur": 1, "args": {"requests": [1, 2], "n": 1}}]}',
+     "count of its requests"),
 ])
 def test_a_file_that_is_not_a_trace_is_refused_by_name(tmp_path: Path, text: str, what: str) -> None:
     (tmp_path / "rank0.json").write_text(text)
@@ -118,5 +128,6 @@ def test_variant_keeps_the_requests_of_one_variant_and_level_of_a_bench_run(
     assert "split at 4 req/s (1 requests)" in out
     assert bh.main([str(run), "--variant", "split", "--qps", "8"]) == 2
     assert "no level at 8 req/s (it has 32, 4)" in capsys.readouterr().out
+    assert bh.main([str(run), "--variant", "whole", "--qps", "4"]) == 0  # the calibration: none named, none there
     assert bh.main([str(run), "--qps", "4"]) == 2
     assert "give --variant too" in capsys.readouterr().out

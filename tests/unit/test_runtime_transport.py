@@ -93,6 +93,12 @@ def test_pool_buffer_stays_busy_while_a_view_lives() -> None:
     assert sys.getrefcount(row) >= 2
     del row, t2
     assert bf.landing(meta, None, False)[0].data_ptr() == ptr  # free once the view is gone
+    t, spec = bf.landing(meta, None, False)
+    held = memoryview(spec[0])  # something holding the buffer itself, not a tensor made from it
+    del t, spec
+    assert bf.landing(meta, None, False)[0].data_ptr() != ptr
+    del held
+    assert bf.landing(meta, None, False)[0].data_ptr() == ptr
 
 
 def test_a_window_of_pooled_payloads_in_flight_keeps_every_message_apart() -> None:

@@ -20,7 +20,10 @@ computes and sends, each naming its requests and (a receive) its source.  For ev
   a message to a sleeping rank before any wait for a core (``[Note: simulator]``).
 
 ``--variant`` (and ``--qps``) keep the requests of one variant (and level) of a bench run, by the request ids
-its ``bench/requests.h5`` holds.  It prints one row per edge (medians over its requests: a message carrying
+its ``bench/requests.h5`` holds; ``--simulate`` then simulates that level as ``stage=simulate`` does (the plan,
+profile, schedule and seed of the run, under the calibration) and sets each edge's simulated send-to-taken time
+(``simulate``'s ``hops``: hop delay, waits for the receiver's work and for a core) beside the measured one
+(busy + hop).  It prints one row per edge (medians over its requests: a message carrying
 several requests counts once for each, as their latencies do), the sums over the edges, and writes ``hops.csv``
 and ``hops.png`` (every hop against its gap, the calibrated curve over it) to ``--out`` (default: the run's
 ``trace/``).  Only ranks of one node share a clock: an edge between two hosts is named and left out.  The
@@ -45,6 +48,7 @@ import numpy as np
 
 from hpcsplit.core.calibration import Calibration, load_calibration
 from hpcsplit.errors import HpcsplitError
+from hpcsplit.launch.simulate import simulated_hops
 
 __all__ = ["Hop", "main", "read_trace", "trace_hops"]
 
@@ -227,8 +231,18 @@ def _level(key: str) -> float:
         return math.nan
 
 
-def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None) -> list[dict[str, Any]]:
-    """One row per edge: requests, medians of gap, busy and hop, the hop's p90, and the calibrated hop's median."""
+def simulated_ways(sim: list[tuple[int, int, float, float, int]]) -> dict[tuple[int, int], float]:
+    """Per edge, the median of the simulated messages' send-to-taken times (ms), each counted once per request."""
+    by: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for a, b, sent, taken, n in sim:
+        by[(a, b)] += [(taken - sent) * 1e3] * max(1, n)
+    return {k: float(np.median(v)) for k, v in by.items()}
+
+
+def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None,
+              sim: dict[tuple[int, int], float] | None = None) -> list[dict[str, Any]]:
+    """One row per edge: requests, medians of gap, busy and hop, the hop's p90, the calibrated hop's median and,
+    with ``sim`` (:func:`simulated_ways`), the measured and simulated medians of send to taken (busy + hop)."""
     by: dict[tuple[int, int], list[Hop]] = defaultdict(list)
     for h in hops:
         by[(h.src, h.dst)].append(h)
@@ -244,25 +258,36 @@ def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None) 
             c = float(np.median([cal.hop.at(g) for g in gap]))
             row["calibrated_p50_ms"] = c
             row["measured_over_calibrated"] = row["hop_p50_ms"] / c if c > 0 else math.nan
+        if sim is not None:
+            row["way_p50_ms"] = float(np.median([h.busy_ms + h.hop_ms for h in hs]))
+            row["simulated_way_p50_ms"] = sim.get((a, b), math.nan)
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]], cal: bool) -> str:
+    sim = bool(rows) and "simulated_way_p50_ms" in rows[0]
     head = f"{'edge':<34} {'n':>6} {'gap p50':>9} {'busy p50':>8} {'hop p50':>8} {'hop p90':>8}"
     head += f" {'calib.':>8} {'meas/cal':>8}" if cal else ""
+    head += f" {'way':>7} {'sim way':>7} {'sim/way':>7}" if sim else ""
     lines = [head + "   (ms)", "-" * len(head)]
     for r in rows:
         line = (f"{r['edge'][:34]:<34} {r['requests']:>6} {r['gap_p50_ms']:>9.3f} {r['busy_p50_ms']:>8.3f} "
                 f"{r['hop_p50_ms']:>8.3f} {r['hop_p90_ms']:>8.3f}")
         if cal:
             line += f" {r['calibrated_p50_ms']:>8.3f} {r['measured_over_calibrated']:>7.2f}x"
+        if sim:
+            w, sw = r["way_p50_ms"], r["simulated_way_p50_ms"]
+            line += f" {w:>7.3f} {sw:>7.3f} {sw / w if w > 0 else math.nan:>6.2f}x"
         lines.append(line)
     tot, busy = sum(r["hop_p50_ms"] for r in rows), sum(r["busy_p50_ms"] for r in rows)
     last = f"{'sum over the edges':<34} {'':>6} {'':>9} {busy:>8.3f} {tot:>8.3f} {'':>8}"
     if cal:
         tc = sum(r["calibrated_p50_ms"] for r in rows)
         last += f" {tc:>8.3f} {tot / tc if tc > 0 else math.nan:>7.2f}x"
+    if sim:
+        tw, ts = sum(r["way_p50_ms"] for r in rows), sum(r["simulated_way_p50_ms"] for r in rows)
+        last += f" {tw:>7.3f} {ts:>7.3f} {ts / tw if tw > 0 else math.nan:>6.2f}x"
     lines.append(last)
     return "\n".join(lines)
 
@@ -289,6 +314,17 @@ def _plot(hops: list[Hop], cal: Calibration | None, path: Path) -> None:
     plt.close(fig)
 
 
+def _simulate_level(run: Path, cal: Calibration, variant: str, qps: float) -> list[tuple[int, int, float, float, int]]:
+    """The simulated messages of one level of the bench run in ``run`` (``launch.simulate.simulated_hops``)."""
+    try:
+        cfg = json.loads((run / "bench.cfg.json").read_text())
+    except (OSError, ValueError) as e:
+        raise HpcsplitError(f"--simulate needs the bench's configuration {run / 'bench.cfg.json'}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise HpcsplitError(f"{run / 'bench.cfg.json'} is not a configuration (a JSON object)")
+    return simulated_hops(cfg, run, cal, variant, qps)
+
+
 def _run_calibration(run: Path) -> str | None:
     """The calibration a bench run used: the one its ``bench.cfg.json`` names (relative to the run folder when
     not absolute), else the run folder's own ``calibration.json``; None when neither is there."""
@@ -312,6 +348,10 @@ def main(argv: list[str]) -> int:
                                           "bench.cfg.json names, else the run folder's, when there)")
     ap.add_argument("--variant", choices=("whole", "split"), help="only this variant's requests of a bench run")
     ap.add_argument("--qps", type=float, help="with --variant: only this level's requests")
+    ap.add_argument("--simulate", action="store_true",
+                    help="with --variant and --qps: simulate that level of the bench (its plan, profile, schedule "
+                         "and seed, under the calibration) and set each edge's simulated send-to-taken time beside "
+                         "the measured one (busy + hop)")
     ap.add_argument("--out", help="where hops.csv and hops.png go (default: the trace folder)")
     args = ap.parse_args(argv)
     try:
@@ -332,7 +372,13 @@ def main(argv: list[str]) -> int:
         if not hops:
             raise HpcsplitError(f"the traces in {trace_dir} hold no hop with both ends traced; trace a window of "
                                 "requests (runtime.trace.start_step / end_step) that the ranks served")
-        rows = edge_rows(hops, labels, cal)
+        sim = None
+        if args.simulate:
+            if not (args.variant and args.qps is not None and cal is not None):
+                raise HpcsplitError("--simulate needs --variant, --qps and a calibration (--calibration PATH, or "
+                                    "one the run's bench.cfg.json names)")
+            sim = simulated_ways(_simulate_level(run, cal, args.variant, args.qps))
+        rows = edge_rows(hops, labels, cal, sim)
         print(f"# hops of the traced requests in {trace_dir}{what} ({len({h.request for h in hops})} requests)"
               + (f", against {cal_path}" if cal else ""))
         print(_table(rows, cal is not None))

@@ -186,7 +186,8 @@ class _Noise:
 
 
 def simulate(system: SimSystem, arrivals_s: np.ndarray, seed: int = 0,
-             trace: list[tuple[int, float, list[int], list[int]]] | None = None) -> SimRun:
+             trace: list[tuple[int, float, list[int], list[int]]] | None = None,
+             hops: list[tuple[int, int, float, float, int]] | None = None) -> SimRun:
     """Simulate one open-loop session (``[Note: simulator]``).
 
     Parameters
@@ -199,20 +200,28 @@ def simulate(system: SimSystem, arrivals_s: np.ndarray, seed: int = 0,
     trace : list, optional
         Filled with ``(rank, time, requests that became ready, requests batched)`` per component turn (the tests
         replay it through ``runtime.batching.Batcher``).
+    hops : list, optional
+        Filled with ``(source rank, destination rank, sent, taken, its requests)`` per message (ranks as the plan
+        numbers them, times in seconds): from the sender's send to the turn of the receiver that took it, so the
+        hop delay, any wait for the receiver's work and any wait for a core (``python -m hpcsplit.bench hops``
+        puts these beside a traced run's).
 
     Returns
     -------
     SimRun
     """
-    return _Sim(system, seed, trace).run(np.asarray(arrivals_s, dtype=np.float64))
+    return _Sim(system, seed, trace, hops).run(np.asarray(arrivals_s, dtype=np.float64))
 
 
 class _Sim:
     """One session's state; :meth:`run` is the event loop (times in seconds)."""
 
-    def __init__(self, s: SimSystem, seed: int, trace: list[Any] | None = None) -> None:
+    def __init__(self, s: SimSystem, seed: int, trace: list[Any] | None = None,
+                 hops: list[Any] | None = None) -> None:
         self.s = s
         self.trace = trace
+        self.hops = hops
+        self.sent: list[list[tuple[int, float, int]]] = [[] for _ in s.ranks]  # (source, sent, requests) unread
         cal = s.calibration
         self.cal = cal
         self.noise = _Noise(seed)
@@ -324,12 +333,13 @@ class _Sim:
         return max(0.0, d / 1e3 - (self.m_cross if cross else self.m_same))
 
     def send(self, t: float, src: int, dst: int, ids: list[int], nbytes: float, path: float = 0.0) -> None:
+        t0 = t
         cross = self.node[src] != self.node[dst]
         if cross:
             t += self.m_cross + nbytes / self.bw_cross
         else:
             t += self.m_same + nbytes / self.bw_same
-        self.push(t, _DLV, dst, (ids, cross, path))
+        self.push(t, _DLV, dst, (ids, cross, path, src, t0))
 
     def _reschedule(self, node: int, now: float) -> None:
         jobs = self.jobs[node]
@@ -618,8 +628,10 @@ class _Sim:
             t, _, kind, r, payload = pop(heap)
             events += 1
             if kind == _DLV:
-                ids, cross, path = payload
+                ids, cross, path, src, sent = payload
                 self.inbox[r].append((ids, path))
+                if self.hops is not None:
+                    self.sent[r].append((src, sent, len(ids)))
                 self.ring(r, t, cross)
             elif kind == _DONE:
                 if payload == self.jv[r] and self.job[r] is not None:
@@ -694,6 +706,8 @@ class _Sim:
                     if self.missing[i] == 0:
                         finished.append(i)
         self.inbox[0] = []
+        if self.hops is not None:
+            self._taken(0, t)
         order = self.order
         while order and (status[order[0]] != STATUS_PENDING or t - arr[order[0]] > timeout):
             i = order.popleft()
@@ -738,6 +752,14 @@ class _Sim:
             self.arm_deadline(t)
 
     # ------------------------------------------------------------------ a component replica
+    def _taken(self, r: int, t: float) -> None:
+        """Log the messages rank ``r``'s turn at ``t`` took (``simulate``'s ``hops``)."""
+        ranks = self.s.ranks
+        assert self.hops is not None
+        for src, sent, n in self.sent[r]:
+            self.hops.append((ranks[src].rank, ranks[r].rank, sent, t, n))
+        self.sent[r] = []
+
     def comp_turn(self, r: int, t: float) -> None:
         self.wk[r] = _OWN
         c = self.comp[r]
@@ -764,6 +786,8 @@ class _Sim:
                     else:
                         cnt[i] = k
         self.inbox[r] = []
+        if self.hops is not None:
+            self._taken(r, t)
         bs = self.bs[r]
         if ready and (len(ready) >= bs or t - ready[0][0] >= self.wait_s):
             b = min(bs, len(ready))

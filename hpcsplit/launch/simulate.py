@@ -435,6 +435,34 @@ def _profiles(paths: RunPaths) -> dict[str, ComponentProfile]:
     return out
 
 
+def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant: str,
+                   qps: float) -> list[tuple[int, int, float, float, int]]:
+    """Every message of one level of the bench in ``run_dir`` as the simulator runs it (:func:`simulate`'s
+    ``hops``: source, destination, sent, taken, requests): the plan, profile, switchboard, schedule and seed that
+    ``stage=simulate`` predicts that level with (its first run), under ``cal``."""
+    s = SimulateSettings.from_config(cfg)
+    paths = RunPaths.from_config(cfg, run_dir)
+    if not paths.plan.is_file():
+        raise ConfigError(f"the bench's plan {paths.plan} is not there; pass the run folder of a stage=bench run "
+                          "whose plan, switchboard and profile still exist")
+    plan = Plan.load(paths.plan)
+    layout, sha = load_layout(paths.switchboard)
+    cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
+    bench = bench_record(paths, paths.plan)
+    sched = schedule_of(cfg, s, bench[0] if bench else None)
+    level = [i for i, q in enumerate(sched.qps) if math.isclose(q, qps, rel_tol=1e-6)]
+    if not level:
+        raise ConfigError(f"the bench in {run_dir} has no level at {qps:g} req/s (it has "
+                          f"{', '.join(f'{q:g}' for q in sched.qps)})")
+    i = level[0]
+    system = build_system(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy, variant=variant,
+                          cores_per_node=float(cluster.cores_per_node), switchboard_sha256=sha)
+    hops: list[tuple[int, int, float, float, int]] = []
+    simulate(system, level_arrivals(qps, i, sched.duration_s, sched.min_requests, sched.arrival, sched.seed),
+             seed=s.seed + i, hops=hops)
+    return hops
+
+
 # ------------------------------------------------------------------------------------------ the stage
 def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """``stage=simulate``: write the predictions (and the comparison with a bench of the plan); see the module."""

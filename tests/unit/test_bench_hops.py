@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,36 @@ def test_variant_keeps_the_requests_of_one_variant_and_level_of_a_bench_run(
     assert bh.main([str(run), "--variant", "whole", "--qps", "4"]) == 0  # the calibration: none named, none there
     assert bh.main([str(run), "--qps", "4"]) == 2
     assert "give --variant too" in capsys.readouterr().out
+
+
+def test_simulated_ways_go_beside_the_measured_ones_per_edge(tmp_path: Path) -> None:
+    _chain_traces(tmp_path)
+    hops, labels, _ = bh.trace_hops(tmp_path)
+    # the simulator's log: (source, destination, sent, taken, requests); a message of 3 requests counts 3 times
+    sim = bh.simulated_ways([(0, 1, 0.0, 0.0002, 1), (0, 1, 1.0, 1.0004, 3), (1, 2, 0.0, 0.0001, 1)])
+    assert sim == {(0, 1): pytest.approx(0.4), (1, 2): pytest.approx(0.1)}
+    rows = {(r["src"], r["dst"]): r for r in bh.edge_rows(hops, labels, None, sim)}
+    assert rows[(0, 1)]["way_p50_ms"] == pytest.approx(0.3)
+    assert rows[(0, 1)]["simulated_way_p50_ms"] == pytest.approx(0.4)
+    assert math.isnan(rows[(2, 0)]["simulated_way_p50_ms"])  # an edge the simulation never used
+    table = bh._table(list(rows.values()), False)
+    assert "sim way" in table and "1.33x" in table
+
+
+def test_simulate_needs_a_level_a_calibration_and_the_benchs_plan(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    _chain_traces(run / "trace")
+    assert bh.main([str(run), "--simulate"]) == 2
+    assert "--simulate needs --variant, --qps and a calibration" in capsys.readouterr().out
+    h5py = pytest.importorskip("h5py")
+    (run / "bench").mkdir()
+    with h5py.File(run / "bench" / "requests.h5", "w") as f:
+        f["split/qps_4/request_ids"] = [11, 12, 13]
+    cal = Calibration.defaults().save(tmp_path / "calibration.json")
+    args = [str(run), "--variant", "split", "--qps", "4", "--simulate", "--calibration", str(cal)]
+    assert bh.main(args) == 2
+    assert "needs the bench's configuration" in capsys.readouterr().out
+    (run / "bench.cfg.json").write_text(json.dumps({"stage": "bench", "plan": str(tmp_path / "gone.json")}))
+    assert bh.main(args) == 2
+    assert "gone.json is not there" in capsys.readouterr().out

@@ -125,6 +125,25 @@ def test_hops_and_the_frontend_timer_add_up_on_an_idle_chain() -> None:
     assert lat == pytest.approx([0.2 + 3 * 0.5] * 5)  # timer, then frontend -> c0 -> c1 -> frontend
 
 
+def test_the_hop_log_gives_each_messages_way_from_send_to_the_turn_that_took_it() -> None:
+    """On an idle chain every message takes the hop delay; a message sent while its receiver still computes the
+    one before waits for that too (the log is what ``bench hops --simulate`` sets beside a traced run)."""
+    cal = free(hop=Curve.constant(0.5), hop_p90=Curve.constant(0.5))
+    hops: list[tuple[int, int, float, float, int]] = []
+    r = simulate(chain([0.0, 0.0], cal), np.arange(5) * 1.0, hops=hops)
+    assert r.ok.all()
+    assert sorted({(a, b) for a, b, *_ in hops}) == [(0, 1), (1, 2), (2, 0)]
+    assert len(hops) == 15 and all(n == 1 for *_, n in hops)
+    assert [taken - sent for _, _, sent, taken, _ in hops] == pytest.approx([0.5e-3] * 15)
+    busy: list[tuple[int, int, float, float, int]] = []
+    simulate(chain([5.0], free()), np.array([0.0, 0.001]), hops=busy)  # the second arrives while c0 computes the first
+    waits = sorted(taken - sent for a, b, sent, taken, _ in busy if (a, b) == (0, 1))
+    assert waits == pytest.approx([0.0, 4e-3], abs=1e-9)  # it waits for c0's batch to end (5 ms after the first)
+    sys_, arr = chain([1.0, 2.0], free(hop=Curve((0.0, 10.0), (0.05, 0.4))), replicas=2), np.arange(200) * 7e-4
+    plain, logged = simulate(sys_, arr, seed=3), simulate(sys_, arr, seed=3, hops=[])
+    assert np.array_equal(plain.done_s, logged.done_s)  # keeping the log changes nothing of the run
+
+
 def _branches(a_ms: float, b_ms: float, h_ms: float) -> tuple[SimGraph, Profile]:
     """Two branches ``a`` and ``b`` side by side, joined by ``h``; a CPU profile of those batch-1 latencies."""
     g = SimGraph(("x",), (("a", ("x",), ("p",)), ("b", ("x",), ("q",)), ("h", ("p", "q"), ("y",))),

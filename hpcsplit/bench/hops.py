@@ -20,10 +20,12 @@ computes and sends, each naming its requests and (a receive) its source.  For ev
   a message to a sleeping rank before any wait for a core (``[Note: simulator]``).
 
 ``--variant`` (and ``--qps``) keep the requests of one variant (and level) of a bench run, by the request ids
-its ``bench/requests.h5`` holds; ``--simulate`` then simulates that level as ``stage=simulate`` does (the plan,
-profile, schedule and seed of the run, under the calibration) and sets each edge's simulated send-to-taken time
-(``simulate``'s ``hops``: hop delay, waits for the receiver's work and for a core) beside the measured one
-(busy + hop).  It prints one row per edge (medians over its requests: a message carrying
+its ``bench/requests.h5`` holds; ``--simulate`` then simulates that level once as ``stage=simulate``'s first run
+does (the plan, profile, schedule and seed of the run, under the calibration) and sets each edge's simulated
+send-to-taken time (``simulate``'s ``hops``: hop delay, waits for the receiver's work and for a core) beside the
+measured one (busy + hop).  The two start at different points: the measured time at the start of the sender's
+send span (the frontend's covers admission and routing), the simulated one when the sender's job, which counts
+that work, ends; and the simulation covers every request of the level, the trace only its window.  It prints one row per edge (medians over its requests: a message carrying
 several requests counts once for each, as their latencies do), the sums over the edges, and writes ``hops.csv``
 and ``hops.png`` (every hop against its gap, the calibrated curve over it) to ``--out`` (default: the run's
 ``trace/``).  Only ranks of one node share a clock: an edge between two hosts is named and left out.  The
@@ -285,8 +287,8 @@ def _table(rows: list[dict[str, Any]], cal: bool) -> str:
     if cal:
         tc = sum(r["calibrated_p50_ms"] for r in rows)
         last += f" {tc:>8.3f} {tot / tc if tc > 0 else math.nan:>7.2f}x"
-    if sim:
-        tw, ts = sum(r["way_p50_ms"] for r in rows), sum(r["simulated_way_p50_ms"] for r in rows)
+    if sim:  # (an edge the simulation never used counts 0 in its sum)
+        tw, ts = sum(r["way_p50_ms"] for r in rows), float(np.nansum([r["simulated_way_p50_ms"] for r in rows]))
         last += f" {tw:>7.3f} {ts:>7.3f} {ts / tw if tw > 0 else math.nan:>6.2f}x"
     lines.append(last)
     return "\n".join(lines)

@@ -438,8 +438,8 @@ def _profiles(paths: RunPaths) -> dict[str, ComponentProfile]:
 def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant: str,
                    qps: float) -> list[tuple[int, int, float, float, int]]:
     """Every message of one level of the bench in ``run_dir`` as the simulator runs it (:func:`simulate`'s
-    ``hops``: source, destination, sent, taken, requests): the plan, profile, switchboard, schedule and seed that
-    ``stage=simulate`` predicts that level with (its first run), under ``cal``."""
+    ``hops``: source, destination, sent, taken, requests): one run, with the plan, profile, switchboard, schedule
+    and seed of ``stage=simulate``'s first run of that level, under ``cal`` (no floor scale, no at-speed run)."""
     s = SimulateSettings.from_config(cfg)
     paths = RunPaths.from_config(cfg, run_dir)
     if not paths.plan.is_file():
@@ -455,10 +455,11 @@ def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant
         raise ConfigError(f"the bench in {run_dir} has no level at {qps:g} req/s (it has "
                           f"{', '.join(f'{q:g}' for q in sched.qps)})")
     i = level[0]
+    q = sched.qps[i]  # the level's own figure: its arrivals as predict_level draws them
     system = build_system(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy, variant=variant,
                           cores_per_node=float(cluster.cores_per_node), switchboard_sha256=sha)
     hops: list[tuple[int, int, float, float, int]] = []
-    simulate(system, level_arrivals(qps, i, sched.duration_s, sched.min_requests, sched.arrival, sched.seed),
+    simulate(system, level_arrivals(q, i, sched.duration_s, sched.min_requests, sched.arrival, sched.seed),
              seed=s.seed + i, hops=hops)
     return hops
 

@@ -44,7 +44,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def _bad(path: Path, what: str) -> HpcsplitError:
                          "runtime.trace.start_step=N runtime.trace.end_step=M and pass its run folder")
 
 
-def _num(v: Any) -> bool:
+def _num(v: Any) -> TypeGuard[float]:
     try:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     except OverflowError:  # an integer too large for a float
@@ -128,8 +128,7 @@ def read_trace(path: str | Path) -> tuple[str, str | None, list[Span]]:
             continue
         args = ev.get("args")
         name, ts, dur = ev.get("name"), ev.get("ts"), ev.get("dur")
-        if not (isinstance(name, str) and isinstance(ts, (int, float)) and isinstance(dur, (int, float))
-                and _num(ts) and _num(dur) and dur >= 0 and isinstance(args, dict)):
+        if not (isinstance(name, str) and _num(ts) and _num(dur) and dur >= 0 and isinstance(args, dict)):
             raise _bad(p, f"event {i} lacks a name, a finite ts and dur >= 0, or args")
         reqs, src = args.get("requests"), args.get("src")
         if not isinstance(reqs, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in reqs):
@@ -184,8 +183,7 @@ def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[s
                 before = bisect.bisect_left(starts, snd.start_us, 0, k)  # the receiver's spans begun before the send
                 if before == 0:
                     continue  # its first traced span: how long it had been idle is not known
-                idle_since = ends[before - 1]
-                busy_until = ends[k - 1] if k else idle_since
+                idle_since, busy_until = ends[before - 1], ends[k - 1]  # (before <= k: k >= 1 here)
                 ready = max(snd.start_us, busy_until)
                 hops.append(Hop(x.src, dst, q, (x.start_us - ready) / 1e3, max(0.0, snd.start_us - idle_since) / 1e3,
                                 max(0.0, busy_until - snd.start_us) / 1e3))
@@ -316,26 +314,19 @@ def _plot(hops: list[Hop], cal: Calibration | None, path: Path) -> None:
     plt.close(fig)
 
 
-def _simulate_level(run: Path, cal: Calibration, variant: str, qps: float) -> list[tuple[int, int, float, float, int]]:
-    """The simulated messages of one level of the bench run in ``run`` (``launch.simulate.simulated_hops``)."""
+def _bench_cfg(run: Path) -> dict[str, Any] | str:
+    """The bench's configuration (``bench.cfg.json``), or why it cannot be read."""
     try:
         cfg = json.loads((run / "bench.cfg.json").read_text())
-    except (OSError, ValueError) as e:
-        raise HpcsplitError(f"--simulate needs the bench's configuration {run / 'bench.cfg.json'}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise HpcsplitError(f"{run / 'bench.cfg.json'} is not a configuration (a JSON object)")
-    return simulated_hops(cfg, run, cal, variant, qps)
+    except (OSError, ValueError, RecursionError) as e:
+        return str(e)
+    return cfg if isinstance(cfg, dict) else "not a configuration (a JSON object)"
 
 
-def _run_calibration(run: Path) -> str | None:
-    """The calibration a bench run used: the one its ``bench.cfg.json`` names (relative to the run folder when
-    not absolute), else the run folder's own ``calibration.json``; None when neither is there."""
-    named: Any = None
-    try:
-        cfg = json.loads((run / "bench.cfg.json").read_text())
-        named = cfg.get("calibration") if isinstance(cfg, dict) else None
-    except (OSError, ValueError):
-        pass
+def _run_calibration(run: Path, cfg: dict[str, Any] | str) -> str | None:
+    """The calibration a bench run used: the one its configuration names (relative to the run folder when not
+    absolute), else the run folder's own ``calibration.json``; None when neither is there."""
+    named = cfg.get("calibration") if isinstance(cfg, dict) else None
     for c in ([run / named] if isinstance(named, str) else []) + [run / "calibration.json"]:
         if c.is_file():  # an absolute name stays itself under ``run /``
             return str(c)
@@ -359,9 +350,8 @@ def main(argv: list[str]) -> int:
     try:
         run = Path(args.run_dir)
         trace_dir = run / "trace" if (run / "trace").is_dir() else run
-        cal_path = args.calibration
-        if cal_path is None:
-            cal_path = _run_calibration(run)
+        cfg = _bench_cfg(run)
+        cal_path = args.calibration or _run_calibration(run, cfg)
         cal = load_calibration(cal_path) if cal_path else None
         hops, labels, notes = trace_hops(trace_dir)
         what = ""
@@ -379,15 +369,18 @@ def main(argv: list[str]) -> int:
             if not (args.variant and args.qps is not None and cal is not None):
                 raise HpcsplitError("--simulate needs --variant, --qps and a calibration (--calibration PATH, or "
                                     "one the run's bench.cfg.json names)")
-            sim = simulated_ways(_simulate_level(run, cal, args.variant, args.qps))
+            if not isinstance(cfg, dict):
+                raise HpcsplitError(f"--simulate needs the bench's configuration {run / 'bench.cfg.json'}: {cfg}")
+            sim = simulated_ways(simulated_hops(cfg, run, cal, args.variant, args.qps))
         rows = edge_rows(hops, labels, cal, sim)
         print(f"# hops of the traced requests in {trace_dir}{what} ({len({h.request for h in hops})} requests)"
               + (f", against {cal_path}" if cal else ""))
         print(_table(rows, cal is not None))
         for n in notes:
             print(n)
-        print("hop: the sender's send start to the receiver taking the message; gap: the receiver idle before it; "
-              "calib.: the calibration's hop at each hop's gap (the simulator's charge before any wait for a core)")
+        print("gap: the receiver idle when the send started; busy: the receiver still working after it; hop: from "
+              "the later of the two to the message taken; calib.: the calibration's hop at each hop's gap (the "
+              "simulator's charge before any wait for a core)")
         out = Path(args.out) if args.out else trace_dir
         try:
             out.mkdir(parents=True, exist_ok=True)

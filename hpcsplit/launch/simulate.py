@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -154,16 +154,26 @@ def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequ
             for variant, system in systems.items() for kind in arrivals for i in range(len(schedule.qps))]
 
 
+def _level_arrivals(schedule: Schedule, kind: str, i: int) -> np.ndarray:
+    """Level ``i``'s arrivals of process ``kind``, as every simulation of that level draws them."""
+    return level_arrivals(schedule.qps[i], i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
+
+
+def _run_seed(seed: int, k: int, i: int) -> int:
+    """The jitter seed of run ``k`` of level ``i``."""
+    return seed + 1000 * k + i
+
+
 def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str, i: int, runs: int,
                   seed: int = 0) -> Predicted:
     """Level ``i`` of ``schedule`` (its own arrivals and seeds, as :func:`predict` draws them)."""
     q = schedule.qps[i]
-    arr = level_arrivals(q, i, schedule.duration_s, schedule.min_requests, kind, schedule.seed)
+    arr = _level_arrivals(schedule, kind, i)
     t0 = time.perf_counter()
     ss, cpu, lone = [], [], []
     span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
     for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
-        r = simulate(system, arr, seed=seed + 1000 * k + i)
+        r = simulate(system, arr, seed=_run_seed(seed, k, i))
         ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok, r.path_ms))
         cpu.append(node_cpu_cores(system, r))
         v = r.path_ms[alone(r.arrival_s, r.done_s) & r.ok]
@@ -360,7 +370,7 @@ def measured_alone_paths(path: Path, sched: Schedule) -> dict[tuple[str, float],
                     lvl = g.get(name)
                     if not isinstance(lvl, h5py.Group):
                         continue
-                    arr = level_arrivals(q, i, sched.duration_s, sched.min_requests, sched.arrival, sched.seed)
+                    arr = _level_arrivals(sched, sched.arrival, i)
                     cols = {}
                     for k in ("arrival_s", "done_s", "critical_path_ms", "status"):
                         d = lvl.get(k)
@@ -445,23 +455,39 @@ def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant
     if not paths.plan.is_file():
         raise ConfigError(f"the bench's plan {paths.plan} is not there; pass the run folder of a stage=bench run "
                           "whose plan, switchboard and profile still exist")
-    plan = Plan.load(paths.plan)
-    layout, sha = load_layout(paths.switchboard)
-    cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
-    bench = bench_record(paths, paths.plan)
-    sched = schedule_of(cfg, s, bench[0] if bench else None)
+    inp = _inputs(cfg, s, paths)
+    sched = inp.sched
     level = [i for i, q in enumerate(sched.qps) if math.isclose(q, qps, rel_tol=1e-6)]
     if not level:
         raise ConfigError(f"the bench in {run_dir} has no level at {qps:g} req/s (it has "
                           f"{', '.join(f'{q:g}' for q in sched.qps)})")
     i = level[0]
-    q = sched.qps[i]  # the level's own figure: its arrivals as predict_level draws them
-    system = build_system(plan, _profiles(paths), SimGraph.from_layout(layout), cal, sched.policy, variant=variant,
-                          cores_per_node=float(cluster.cores_per_node), switchboard_sha256=sha)
+    system = build_system(inp.plan, _profiles(paths), SimGraph.from_layout(inp.layout), cal, sched.policy,
+                          variant=variant, cores_per_node=float(inp.cluster.cores_per_node), switchboard_sha256=inp.sha)
     hops: list[tuple[int, int, float, float, int]] = []
-    simulate(system, level_arrivals(q, i, sched.duration_s, sched.min_requests, sched.arrival, sched.seed),
-             seed=s.seed + i, hops=hops)
+    simulate(system, _level_arrivals(sched, sched.arrival, i), seed=_run_seed(s.seed, 0, i), hops=hops)
     return hops
+
+
+class _Inputs(NamedTuple):
+    """What a simulation of a run folder's plan reads besides its calibration and profiles."""
+
+    plan: Plan
+    layout: Any
+    sha: str | None
+    cluster: ClusterSpec
+    bench: tuple[dict[str, Any], list[dict[str, Any]]] | None
+    sched: Schedule
+
+
+def _inputs(cfg: dict[str, Any], s: SimulateSettings, paths: RunPaths) -> _Inputs:
+    """The plan (which must exist), the switchboard's layout, the cluster, the folder's bench of the plan and the
+    schedule to simulate (the bench's when there is one)."""
+    plan = Plan.load(paths.plan)
+    layout, sha = load_layout(paths.switchboard)
+    cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
+    bench = bench_record(paths, paths.plan)
+    return _Inputs(plan, layout, sha, cluster, bench, schedule_of(cfg, s, bench[0] if bench else None))
 
 
 # ------------------------------------------------------------------------------------------ the stage
@@ -471,12 +497,8 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     paths = RunPaths.from_config(cfg, run_dir)
     if not paths.plan.is_file():
         raise ConfigError(f"stage=simulate needs a plan: {paths.plan} does not exist; run stage=allocate or pass plan=PATH")
-    plan = Plan.load(paths.plan)
-    layout, sha = load_layout(paths.switchboard)
+    plan, layout, sha, cluster, bench, sched = _inputs(cfg, s, paths)
     cal = calibration_for(paths.calibration, paths.calibration_given)
-    cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
-    bench = bench_record(paths, paths.plan)
-    sched = schedule_of(cfg, s, bench[0] if bench else None)
     print(cal.describe(), flush=True)
     t0 = time.perf_counter()
     profiles, graph = _profiles(paths), SimGraph.from_layout(layout)  # read once: every simulation below uses them

@@ -11,6 +11,9 @@
 #   HPCSPLIT_TORCH_INDEX=none ./scripts/gpu-check.sh     # torch from pip's own index/config (e.g. a local mirror)
 #   GPU_CHECK_OUT=/scratch/check ./scripts/gpu-check.sh  # the folder (default outputs/gpu-check-<UTC time>)
 #   GPU_CHECK_T_SETUP=600 ./scripts/gpu-check.sh         # a step's timeout in s (SETUP DETECT TESTS TINY CLIP)
+# On a machine that reaches no package index (the lent GPU machines), carry the wheels of
+# scripts/device-wheels.sh in .whl/ (or HPCSPLIT_WHEELS=DIR): setup is then scripts/device-setup.sh, offline,
+# on the machine's own python3 and its CUDA torch.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO=$(pwd)
@@ -54,6 +57,13 @@ step() {
 }
 
 do_setup() {
+    # Carried wheels (scripts/device-wheels.sh): a machine that reaches no index, whose python3 holds a CUDA
+    # torch (the lent GPU machines): scripts/device-setup.sh builds .venv on it, offline.
+    if compgen -G "${HPCSPLIT_WHEELS:-.whl}/*.whl" >/dev/null; then
+        ./scripts/device-setup.sh || return 1
+        "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "the torch of this Python sees no GPU")' || return 1
+        return 0
+    fi
     # A CUDA torch of the pinned version first (pip's default index may give the CPU wheel), then
     # scripts/setup.sh, which keeps a torch 2.13.0 it finds and installs hpcsplit with its extras.
     if [[ -x $PY ]] && "$PY" -c 'import torch, sys; sys.exit(0 if torch.version.cuda and torch.__version__.split("+")[0] == sys.argv[1] else 1)' "$TORCH_VERSION" 2>/dev/null; then

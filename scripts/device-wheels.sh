@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Download, here, the wheels a lent GPU machine needs for an offline setup (scripts/device-setup.sh; docs/gpu.md).
+#
+# The lent machines run an image whose python3 (CPython 3.12) already holds a CUDA torch and most of what
+# hpcsplit imports (numpy, h5py, networkx, grpcio, aiohttp, prometheus_client, matplotlib, transformers, pytest,
+# ...), but nothing outside the machine can be reached from it. This fetches the rest, as wheels for that Python
+# and x86-64 Linux, into .whl/ (git-ignored), at the versions this checkout's .venv has (the tested ones): about
+# 35 MB, under the 64 MiB a device call carries with the working tree. SCS (43 MB) is left out: cvxpy imports
+# its solvers lazily and hpcsplit solves with HiGHS.
+#
+#   ./scripts/device-wheels.sh                       # CPython 3.12 (the image's), into .whl
+#   PYVER=3.11 WHEELS=/tmp/w ./scripts/device-wheels.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYVER=${PYVER:-3.12}
+WHEELS=${WHEELS:-.whl}
+PY=.venv/bin/python
+if [[ ! -x $PY ]]; then
+    echo "device-wheels: no .venv here to read the tested versions from: run ./scripts/setup.sh first" >&2
+    exit 1
+fi
+
+# What the image lacks of hpcsplit's dependencies (KINDS.md's package list of the lent machines), then what only
+# the tests import (the HTTP client of tritonclient, the TLS tests' CA).
+RUNTIME=(cvxpy highspy clarabel osqp qdldl sparsediffpy hydra-core omegaconf antlr4-python3-runtime hydra-submitit-launcher submitit
+         graphviz tritonclient python-rapidjson mpich mpi4py)
+TESTS=(cryptography gevent geventhttpclient greenlet zope.event zope.interface brotli)
+
+pins=()
+for name in "${RUNTIME[@]}" "${TESTS[@]}"; do
+    v=$("$PY" -c 'import sys; from importlib.metadata import version; print(version(sys.argv[1]))' "$name" 2>/dev/null) || {
+        echo "device-wheels: $name is not installed in .venv (./scripts/setup.sh installs it)" >&2
+        exit 1
+    }
+    pins+=("$name==$v")
+done
+
+mkdir -p "$WHEELS"
+rm -f "$WHEELS"/*.whl
+plat=()
+for p in manylinux_2_{5,17,24,27,28,31,34}_x86_64 manylinux1_x86_64 manylinux2014_x86_64; do plat+=(--platform "$p"); done
+for pin in "${pins[@]}"; do
+    if [[ $pin == antlr4-python3-runtime==* ]]; then  # a source release only: built here (pure Python)
+        "$PY" -m pip wheel -q --no-deps -w "$WHEELS" "$pin"
+    else
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
+            "${plat[@]}" -d "$WHEELS" "$pin"
+    fi
+done
+n=$(find "$WHEELS" -name '*.whl' | wc -l)
+echo "device-wheels: $n wheels for CPython $PYVER in $WHEELS ($(du -sh "$WHEELS" | cut -f1)): ${pins[*]}"
+echo "device-wheels: carry $WHEELS with the working tree (the device tool's carry); scripts/gpu-check.sh installs them"

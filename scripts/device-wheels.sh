@@ -5,8 +5,8 @@
 # hpcsplit imports (numpy, h5py, networkx, grpcio, aiohttp, prometheus_client, matplotlib, transformers, pytest,
 # ...), but nothing outside the machine can be reached from it. This fetches the rest, as wheels for that Python
 # and x86-64 Linux, into .whl/ (git-ignored), at the versions this checkout's .venv has (the tested ones): about
-# 35 MB, under the 64 MiB a device call carries with the working tree. SCS (43 MB) is left out: cvxpy imports
-# its solvers lazily and hpcsplit solves with HiGHS.
+# 36 MB, under the 64 MiB a device call carries with the working tree. SCS and sparsediffpy (55 MB) are left out:
+# cvxpy imports neither to load or to solve with HiGHS, which is what hpcsplit uses.
 #
 #   ./scripts/device-wheels.sh                       # CPython 3.12 (the image's), into .whl
 #   PYVER=3.11 WHEELS=/tmp/w ./scripts/device-wheels.sh
@@ -22,7 +22,7 @@ fi
 
 # What the image lacks of hpcsplit's dependencies (KINDS.md's package list of the lent machines), then what only
 # the tests import (the HTTP client of tritonclient, the TLS tests' CA).
-RUNTIME=(cvxpy highspy clarabel osqp qdldl sparsediffpy hydra-core omegaconf antlr4-python3-runtime hydra-submitit-launcher submitit
+RUNTIME=(cvxpy highspy clarabel osqp qdldl hydra-core omegaconf antlr4-python3-runtime hydra-submitit-launcher submitit
          graphviz tritonclient python-rapidjson mpich mpi4py)
 TESTS=(cryptography gevent geventhttpclient greenlet zope.event zope.interface brotli)
 

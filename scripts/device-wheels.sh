@@ -10,6 +10,7 @@
 #
 #   ./scripts/device-wheels.sh                       # CPython 3.12 (the image's), into .whl
 #   PYVER=3.11 WHEELS=/tmp/w ./scripts/device-wheels.sh
+#   PERF=1 ./scripts/device-wheels.sh                # and perf_analyzer in .whl/perf (15 MB; device-cpu-check.sh)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYVER=${PYVER:-3.12}
@@ -36,7 +37,7 @@ for name in "${RUNTIME[@]}" "${TESTS[@]}"; do
 done
 
 mkdir -p "$WHEELS"
-rm -f "$WHEELS"/*.whl
+rm -rf "$WHEELS"/*.whl "$WHEELS/perf"
 plat=()
 for p in manylinux_2_{5,17,24,27,28,31,34}_x86_64 manylinux1_x86_64 manylinux2014_x86_64; do plat+=(--platform "$p"); done
 for pin in "${pins[@]}"; do
@@ -47,6 +48,16 @@ for pin in "${pins[@]}"; do
             "${plat[@]}" -d "$WHEELS" "$pin"
     fi
 done
+if [[ ${PERF:-0} == 1 ]]; then  # perf_analyzer for scripts/device-cpu-check.sh: the binary (stripped), libb64, libcudart 12
+    pa=$(./scripts/setup-perf.sh)
+    mkdir -p "$WHEELS/perf"
+    cp "$(dirname "$pa")/perf_analyzer" "$WHEELS/perf/perf_analyzer"
+    strip "$WHEELS/perf/perf_analyzer" 2>/dev/null || true
+    for lib in libb64.so.0d libcudart.so.12; do
+        cp -L "$(LD_LIBRARY_PATH=$(sed -n 's/^LD_LIBRARY_PATH="\([^$]*\)\$.*/\1/p' "$pa") ldd "$WHEELS/perf/perf_analyzer" \
+            | awk -v l="$lib" '$1 == l {print $3}')" "$WHEELS/perf/$lib"
+    done
+fi
 n=$(find "$WHEELS" -name '*.whl' | wc -l)
 echo "device-wheels: $n wheels for CPython $PYVER in $WHEELS ($(du -sh "$WHEELS" | cut -f1)): ${pins[*]}"
 echo "device-wheels: carry $WHEELS with the working tree (the device tool's carry); scripts/gpu-check.sh installs them"

@@ -5,12 +5,24 @@
 # and libcudart.so.12 (PyPI nvidia-cuda-runtime-cu12; no GPU needed).  Its own venv, so it does not
 # downgrade the tritonclient the project uses.  Idempotent: returns at once when it is there.
 #   ./scripts/setup-perf.sh        VENV_PERF=/path ./scripts/setup-perf.sh
+# Where .whl/perf/ holds a carried perf_analyzer (PERF=1 ./scripts/device-wheels.sh), that one is used, offline.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV_PERF:-.venv-perf}
 PA=$VENV/bin/perf_analyzer-hpcsplit  # a launcher: the wheel's binary with libcudart on the library path
 if [[ -x $PA ]]; then
+    echo "$PA"
+    exit 0
+fi
+CARRIED=${HPCSPLIT_WHEELS:-.whl}/perf  # a machine with no index: the binary and its two libraries, carried
+if [[ -x $CARRIED/perf_analyzer ]]; then  # (PERF=1 ./scripts/device-wheels.sh puts them there)
+    mkdir -p "$VENV/bin"
+    cat >"$PA" <<WRAP
+#!/usr/bin/env bash
+LD_LIBRARY_PATH="$(cd "$CARRIED" && pwd)\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$(cd "$CARRIED" && pwd)/perf_analyzer" "\$@"
+WRAP
+    chmod +x "$PA"
     echo "$PA"
     exit 0
 fi

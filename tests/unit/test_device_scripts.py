@@ -47,3 +47,24 @@ def test_device_wheels_needs_the_tested_versions_of_a_venv(tmp_path: Path) -> No
     res = _run(_copy(tmp_path, "device-wheels.sh"))
     assert res.returncode == 1 and "run ./scripts/setup.sh first" in res.stderr
     assert not (tmp_path / ".whl").exists()
+
+
+def test_setup_perf_uses_a_carried_perf_analyzer_with_its_libraries_on_the_path(tmp_path: Path) -> None:
+    """No index needed: .whl/perf's binary (here a stand-in that prints its library path) behind the launcher."""
+    script = _copy(tmp_path, "setup-perf.sh")
+    perf = tmp_path / ".whl" / "perf"
+    perf.mkdir(parents=True)
+    (perf / "perf_analyzer").write_text('#!/bin/sh\necho "args: $* lib: $LD_LIBRARY_PATH"\n')
+    (perf / "perf_analyzer").chmod(0o755)
+    res = _run(script, VENV_PERF=str(tmp_path / "vp"))
+    assert res.returncode == 0, res.stderr
+    launcher = Path(res.stdout.strip())
+    assert launcher == tmp_path / "vp" / "bin" / "perf_analyzer-hpcsplit"
+    ran = subprocess.run([str(launcher), "-m", "x"], capture_output=True, text=True, timeout=30, check=True,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert ran.stdout.strip() == f"args: -m x lib: {perf}"
+
+
+def test_device_cpu_check_without_a_venv_says_how_to_make_one(tmp_path: Path) -> None:
+    res = _run(_copy(tmp_path, "device-cpu-check.sh"), CPU_CHECK_OUT=str(tmp_path / "cc"))
+    assert res.returncode == 1 and "no .venv: run ./scripts/setup.sh" in res.stdout

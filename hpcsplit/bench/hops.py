@@ -22,8 +22,9 @@ computes and sends, each naming its requests and (a receive) its source.  For ev
 ``--variant`` (and ``--qps``) keep the requests of one variant (and level) of a bench run, by the request ids
 its ``bench/requests.h5`` holds; ``--simulate`` then simulates that level once as ``stage=simulate``'s first run
 does (the plan, profile, schedule and seed of the run, under the calibration) and sets each edge's simulated
-send-to-taken time (``simulate``'s ``hops``: hop delay, waits for the receiver's work and for a core) beside the
-measured one (busy + hop).  The two start at different points: the measured time at the start of the sender's
+send-to-taken time (``simulate``'s ``hops``) beside the measured one (busy + hop), with its parts apart: the wait
+for the receiver's work (``s.busy``, to set against the measured busy), the hop delay of a sleeping receiver
+(``s.hop``) and the wait for a core (``s.core``; these two and the transfer against the measured hop).  The two start at different points: the measured time at the start of the sender's
 send span (the frontend's covers admission and routing), the simulated one when the sender's job, which counts
 that work, ends; and the simulation covers every request of the level, the trace only its window.  It prints one row per edge (medians over its requests: a message carrying
 several requests counts once for each, as their latencies do), the sums over the edges, and writes ``hops.csv``
@@ -231,18 +232,26 @@ def _level(key: str) -> float:
         return math.nan
 
 
-def simulated_ways(sim: list[tuple[int, int, float, float, int]]) -> dict[tuple[int, int], float]:
-    """Per edge, the median of the simulated messages' send-to-taken times (ms), each counted once per request."""
-    by: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for a, b, sent, taken, n in sim:
-        by[(a, b)] += [(taken - sent) * 1e3] * max(1, n)
-    return {k: float(np.median(v)) for k, v in by.items()}
+SIM_PARTS = ("way", "busy", "hop", "core")  # simulated_ways' figures per edge
+
+
+def simulated_ways(sim: list[tuple[int, int, float, float, int, float, float, float]]
+                   ) -> dict[tuple[int, int], dict[str, float]]:
+    """Per edge, medians (ms) of the simulated messages' send-to-taken times (``way``) and of its parts: the wait
+    for the receiver's work (``busy``), the hop delay of a sleeping receiver (``hop``) and the wait for a core
+    (``core``; :func:`~hpcsplit.core.simulator.simulate`'s ``hops``), each message counted once per request."""
+    by: dict[tuple[int, int], list[tuple[float, ...]]] = defaultdict(list)
+    for a, b, sent, taken, n, dlv, busy, hop in sim:
+        core = max(0.0, taken - dlv - busy - hop)
+        by[(a, b)] += [((taken - sent) * 1e3, busy * 1e3, hop * 1e3, core * 1e3)] * max(1, n)
+    return {k: dict(zip(SIM_PARTS, np.median(np.array(v), axis=0).tolist(), strict=True)) for k, v in by.items()}
 
 
 def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None,
-              sim: dict[tuple[int, int], float] | None = None) -> list[dict[str, Any]]:
+              sim: dict[tuple[int, int], dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """One row per edge: requests, medians of gap, busy and hop, the hop's p90, the calibrated hop's median and,
-    with ``sim`` (:func:`simulated_ways`), the measured and simulated medians of send to taken (busy + hop)."""
+    with ``sim`` (:func:`simulated_ways`), the measured and simulated medians of send to taken (busy + hop) and
+    the simulated way's parts (its waits for the receiver's work, its hop delay, its wait for a core)."""
     by: dict[tuple[int, int], list[Hop]] = defaultdict(list)
     for h in hops:
         by[(h.src, h.dst)].append(h)
@@ -260,7 +269,9 @@ def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None,
             row["measured_over_calibrated"] = row["hop_p50_ms"] / c if c > 0 else math.nan
         if sim is not None:
             row["way_p50_ms"] = float(np.median([h.busy_ms + h.hop_ms for h in hs]))
-            row["simulated_way_p50_ms"] = sim.get((a, b), math.nan)
+            got = sim.get((a, b), {})
+            for part in SIM_PARTS:
+                row[f"simulated_{part}_p50_ms"] = got.get(part, math.nan)
         rows.append(row)
     return rows
 
@@ -269,7 +280,7 @@ def _table(rows: list[dict[str, Any]], cal: bool) -> str:
     sim = bool(rows) and "simulated_way_p50_ms" in rows[0]
     head = f"{'edge':<34} {'n':>6} {'gap p50':>9} {'busy p50':>8} {'hop p50':>8} {'hop p90':>8}"
     head += f" {'calib.':>8} {'meas/cal':>8}" if cal else ""
-    head += f" {'way':>7} {'sim way':>7} {'sim/way':>7}" if sim else ""
+    head += f" {'way':>7} {'sim way':>7} {'sim/way':>7} {'s.busy':>7} {'s.hop':>7} {'s.core':>7}" if sim else ""
     lines = [head + "   (ms)", "-" * len(head)]
     for r in rows:
         line = (f"{r['edge'][:34]:<34} {r['requests']:>6} {r['gap_p50_ms']:>9.3f} {r['busy_p50_ms']:>8.3f} "
@@ -279,6 +290,7 @@ def _table(rows: list[dict[str, Any]], cal: bool) -> str:
         if sim:
             w, sw = r["way_p50_ms"], r["simulated_way_p50_ms"]
             line += f" {w:>7.3f} {sw:>7.3f} {sw / w if w > 0 else math.nan:>6.2f}x"
+            line += "".join(f" {r[f'simulated_{k}_p50_ms']:>7.3f}" for k in SIM_PARTS[1:])
         lines.append(line)
     tot, busy = sum(r["hop_p50_ms"] for r in rows), sum(r["busy_p50_ms"] for r in rows)
     last = f"{'sum over the edges':<34} {'':>6} {'':>9} {busy:>8.3f} {tot:>8.3f} {'':>8}"
@@ -288,6 +300,7 @@ def _table(rows: list[dict[str, Any]], cal: bool) -> str:
     if sim:  # (an edge the simulation never used counts 0 in its sum)
         tw, ts = sum(r["way_p50_ms"] for r in rows), float(np.nansum([r["simulated_way_p50_ms"] for r in rows]))
         last += f" {tw:>7.3f} {ts:>7.3f} {ts / tw if tw > 0 else math.nan:>6.2f}x"
+        last += "".join(f" {float(np.nansum([r[f'simulated_{k}_p50_ms'] for r in rows])):>7.3f}" for k in SIM_PARTS[1:])
     lines.append(last)
     return "\n".join(lines)
 
@@ -380,7 +393,10 @@ def main(argv: list[str]) -> int:
             print(n)
         print("gap: the receiver idle when the send started; busy: the receiver still working after it; hop: from "
               "the later of the two to the message taken; calib.: the calibration's hop at each hop's gap (the "
-              "simulator's charge before any wait for a core)")
+              "simulator's charge before any wait for a core)"
+              + ("; way: busy + hop, measured; sim way: the simulated send to taken, and its parts: s.busy the wait "
+                 "for the receiver's work, s.hop the hop delay of a sleeping receiver, s.core the wait for a core "
+                 "(medians: the parts need not add up to the way)" if sim else ""))
         out = Path(args.out) if args.out else trace_dir
         try:
             out.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,7 @@ class _Noise:
 
 def simulate(system: SimSystem, arrivals_s: np.ndarray, seed: int = 0,
              trace: list[tuple[int, float, list[int], list[int]]] | None = None,
-             hops: list[tuple[int, int, float, float, int]] | None = None) -> SimRun:
+             hops: list[tuple[int, int, float, float, int, float, float, float]] | None = None) -> SimRun:
     """Simulate one open-loop session (``[Note: simulator]``).
 
     Parameters
@@ -201,10 +201,12 @@ def simulate(system: SimSystem, arrivals_s: np.ndarray, seed: int = 0,
         Filled with ``(rank, time, requests that became ready, requests batched)`` per component turn (the tests
         replay it through ``runtime.batching.Batcher``).
     hops : list, optional
-        Filled with ``(source rank, destination rank, sent, taken, its requests)`` per message (ranks as the plan
-        numbers them, times in seconds): from the sender's send to the turn of the receiver that took it, so the
-        hop delay, any wait for the receiver's work and any wait for a core (``python -m hpcsplit.bench hops``
-        puts these beside a traced run's).
+        Filled with ``(source rank, destination rank, sent, taken, its requests, delivered, busy, hop)`` per
+        message (ranks as the plan numbers them, times in seconds): from the sender's send to the turn of the
+        receiver that took it, and that way's parts: the transfer (to ``delivered``), the wait for the receiver's
+        work (``busy``: it was computing when the message came), the hop delay of a sleeping receiver (``hop``;
+        a batch's timer too) and the rest, ``taken - delivered - busy - hop``, the wait for a core
+        (``python -m hpcsplit.bench hops`` puts these beside a traced run's).
 
     Returns
     -------
@@ -221,7 +223,9 @@ class _Sim:
         self.s = s
         self.trace = trace
         self.hops = hops
-        self.sent: list[list[tuple[int, float, int]]] = [[] for _ in s.ranks]  # (source, sent, requests) unread
+        self.sent: list[list[tuple[int, float, int, float, bool]]] = [[] for _ in s.ranks]  # (source, sent,
+        # requests, delivered, the receiver computing then) unread
+        self.due = [0.0] * len(s.ranks)  # when the rank's latest turn came due (its hop or timer over, its job done)
         cal = s.calibration
         self.cal = cal
         self.noise = _Noise(seed)
@@ -425,6 +429,7 @@ class _Sim:
 
     def schedule(self, r: int, at: float, kind: int) -> None:
         """The rank's next turn is at ``at`` (any turn scheduled before is stale)."""
+        self.due[r] = at
         self.state[r] = _SCHEDULED
         self.wk[r] = kind
         self.turn_at[r] = at
@@ -434,6 +439,7 @@ class _Sim:
     def turn_now(self, r: int, t: float) -> None:
         """A spinning rank sees the message (or arrival) at once: no wake-up (one that lost its core at a slice's end
         sees it once it has one again)."""
+        self.due[r] = t
         self.sv[r] += 1
         if self.shared and not self.oncore[r]:
             self.state[r] = _QUEUED
@@ -631,7 +637,7 @@ class _Sim:
                 ids, cross, path, src, sent = payload
                 self.inbox[r].append((ids, path))
                 if self.hops is not None:
-                    self.sent[r].append((src, sent, len(ids)))
+                    self.sent[r].append((src, sent, len(ids), t, self.state[r] == _BUSY))
                 self.ring(r, t, cross)
             elif kind == _DONE:
                 if payload == self.jv[r] and self.job[r] is not None:
@@ -746,6 +752,7 @@ class _Sim:
             self.cpu_at = list(self.cpu)
         if self.inbox[0] or (self.adm < self.nxt and self.inflight < s.policy.max_inflight):
             self.state[0] = _SCHEDULED
+            self.due[0] = t
             self.fe_turn(t)
         else:
             self.spin(0, t)
@@ -756,8 +763,11 @@ class _Sim:
         """Log the messages rank ``r``'s turn at ``t`` took (``simulate``'s ``hops``)."""
         ranks = self.s.ranks
         assert self.hops is not None
-        for src, sent, n in self.sent[r]:
-            self.hops.append((ranks[src].rank, ranks[r].rank, sent, t, n))
+        due = min(self.due[r], t)
+        for src, sent, n, dlv, busy in self.sent[r]:
+            before = max(0.0, due - dlv)  # the receiver's work, or its sleep, after the message came
+            self.hops.append((ranks[src].rank, ranks[r].rank, sent, t, n, dlv, before if busy else 0.0,
+                              0.0 if busy else before))
         self.sent[r] = []
 
     def comp_turn(self, r: int, t: float) -> None:
@@ -850,6 +860,7 @@ class _Sim:
         ready = self.ready[r]
         if self.inbox[r] or (ready and (len(ready) >= self.bs[r] or t - ready[0][0] >= self.wait_s)):
             self.state[r] = _SCHEDULED
+            self.due[r] = t
             self.comp_turn(r, t)
         elif ready:
             self.wait_for_batch(r, t)

@@ -446,9 +446,9 @@ def _profiles(paths: RunPaths) -> dict[str, ComponentProfile]:
 
 
 def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant: str,
-                   qps: float) -> list[tuple[int, int, float, float, int]]:
+                   qps: float) -> list[tuple[int, int, float, float, int, float, float, float]]:
     """Every message of one level of the bench in ``run_dir`` as the simulator runs it (:func:`simulate`'s
-    ``hops``: source, destination, sent, taken, requests): one run, with the plan, profile, switchboard, schedule
+    ``hops``: source, destination, sent, taken, requests, delivered, busy, hop): one run, with the plan, profile, switchboard, schedule
     and seed of ``stage=simulate``'s first run of that level, under ``cal`` (no floor scale, no at-speed run)."""
     s = SimulateSettings.from_config(cfg)
     paths = RunPaths.from_config(cfg, run_dir)
@@ -464,7 +464,7 @@ def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant
     i = level[0]
     system = build_system(inp.plan, _profiles(paths), SimGraph.from_layout(inp.layout), cal, sched.policy,
                           variant=variant, cores_per_node=float(inp.cluster.cores_per_node), switchboard_sha256=inp.sha)
-    hops: list[tuple[int, int, float, float, int]] = []
+    hops: list[tuple[int, int, float, float, int, float, float, float]] = []
     simulate(system, _level_arrivals(sched, sched.arrival, i), seed=_run_seed(s.seed, 0, i), hops=hops)
     return hops
 

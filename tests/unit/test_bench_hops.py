@@ -137,15 +137,19 @@ def test_variant_keeps_the_requests_of_one_variant_and_level_of_a_bench_run(
 def test_simulated_ways_go_beside_the_measured_ones_per_edge(tmp_path: Path) -> None:
     _chain_traces(tmp_path)
     hops, labels, _ = bh.trace_hops(tmp_path)
-    # the simulator's log: (source, destination, sent, taken, requests); a message of 3 requests counts 3 times
-    sim = bh.simulated_ways([(0, 1, 0.0, 0.0002, 1), (0, 1, 1.0, 1.0004, 3), (1, 2, 0.0, 0.0001, 1)])
-    assert sim == {(0, 1): pytest.approx(0.4), (1, 2): pytest.approx(0.1)}
+    # the simulator's log: (source, destination, sent, taken, requests, delivered, busy, hop); a message of 3
+    # requests counts 3 times; what is left of the way past its transfer, busy and hop is its wait for a core
+    sim = bh.simulated_ways([(0, 1, 0.0, 0.0002, 1, 0.0, 0.0, 0.0002), (0, 1, 1.0, 1.0004, 3, 1.0, 0.0001, 0.0001),
+                             (1, 2, 0.0, 0.0001, 1, 0.00001, 0.0, 0.0)])
+    assert sim == {(0, 1): pytest.approx({"way": 0.4, "busy": 0.1, "hop": 0.1, "core": 0.2}),
+                   (1, 2): pytest.approx({"way": 0.1, "busy": 0.0, "hop": 0.0, "core": 0.09})}
     rows = {(r["src"], r["dst"]): r for r in bh.edge_rows(hops, labels, None, sim)}
     assert rows[(0, 1)]["way_p50_ms"] == pytest.approx(0.3)
     assert rows[(0, 1)]["simulated_way_p50_ms"] == pytest.approx(0.4)
+    assert rows[(0, 1)]["simulated_core_p50_ms"] == pytest.approx(0.2)
     assert math.isnan(rows[(2, 0)]["simulated_way_p50_ms"])  # an edge the simulation never used
     table = bh._table(list(rows.values()), False)
-    assert "sim way" in table and "1.33x" in table
+    assert "sim way" in table and "1.33x" in table and "s.core" in table
 
 
 def test_simulate_needs_a_level_a_calibration_and_the_benchs_plan(tmp_path: Path,

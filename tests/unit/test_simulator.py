@@ -129,16 +129,19 @@ def test_the_hop_log_gives_each_messages_way_from_send_to_the_turn_that_took_it(
     """On an idle chain every message takes the hop delay; a message sent while its receiver still computes the
     one before waits for that too (the log is what ``bench hops --simulate`` sets beside a traced run)."""
     cal = free(hop=Curve.constant(0.5), hop_p90=Curve.constant(0.5))
-    hops: list[tuple[int, int, float, float, int]] = []
+    hops: list[tuple[int, int, float, float, int, float, float, float]] = []
     r = simulate(chain([0.0, 0.0], cal), np.arange(5) * 1.0, hops=hops)
     assert r.ok.all()
     assert sorted({(a, b) for a, b, *_ in hops}) == [(0, 1), (1, 2), (2, 0)]
-    assert len(hops) == 15 and all(n == 1 for *_, n in hops)
-    assert [taken - sent for _, _, sent, taken, _ in hops] == pytest.approx([0.5e-3] * 15)
-    busy: list[tuple[int, int, float, float, int]] = []
+    assert len(hops) == 15 and all(h[4] == 1 for h in hops)
+    assert [h[3] - h[2] for h in hops] == pytest.approx([0.5e-3] * 15)
+    # its parts: no transfer time (free links), the hop delay, no wait for work or a core
+    assert np.array([(h[5] - h[2], h[6], h[7]) for h in hops]) == pytest.approx(np.array([(0.0, 0.0, 0.5e-3)] * 15),
+                                                                                 abs=1e-9)
+    busy: list[tuple[int, int, float, float, int, float, float, float]] = []
     simulate(chain([5.0], free()), np.array([0.0, 0.001]), hops=busy)  # the second arrives while c0 computes the first
-    waits = sorted(taken - sent for a, b, sent, taken, _ in busy if (a, b) == (0, 1))
-    assert waits == pytest.approx([0.0, 4e-3], abs=1e-9)  # it waits for c0's batch to end (5 ms after the first)
+    waits = np.array(sorted((h[3] - h[2], h[6], h[7]) for h in busy if h[:2] == (0, 1)))
+    assert waits == pytest.approx(np.array([(0.0, 0.0, 0.0), (4e-3, 4e-3, 0.0)]), abs=1e-9)  # c0's batch: 5 ms
     sys_, arr = chain([1.0, 2.0], free(hop=Curve((0.0, 10.0), (0.05, 0.4))), replicas=2), np.arange(200) * 7e-4
     plain, logged = simulate(sys_, arr, seed=3), simulate(sys_, arr, seed=3, hops=[])
     assert np.array_equal(plain.done_s, logged.done_s)  # keeping the log changes nothing of the run
@@ -385,6 +388,15 @@ def test_short_turns_on_a_full_node_run_whole_in_the_order_they_came() -> None:
     first answer at 0.5 ms, the second at 1 ms), not side by side at half speed (both at 1 ms)."""
     r = simulate(_two_replicas_on_one_core(0.5), np.array([0.0, 0.0]))
     assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([0.5, 1.0])
+
+
+def test_the_hop_log_counts_a_turn_that_waited_for_a_core_as_that_wait() -> None:
+    """Of two messages that reach replicas sharing one core at once, one is taken at once and the other when the
+    first replica's 0.5 ms batch ends: its way is that wait for a core, not a hop or the receiver's own work."""
+    hops: list[tuple[int, int, float, float, int, float, float, float]] = []
+    simulate(_two_replicas_on_one_core(0.5), np.array([0.0, 0.0]), hops=hops)
+    core = sorted(h[3] - h[5] - h[6] - h[7] for h in hops if h[0] == 0)
+    assert core == pytest.approx([0.0, 0.5e-3]) and all(h[6] == h[7] == 0.0 for h in hops if h[0] == 0)
 
 
 def test_jobs_longer_than_a_slice_share_the_core_by_slices() -> None:

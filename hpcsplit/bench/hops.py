@@ -70,6 +70,7 @@ class Span:
     requests: tuple[int, ...]
     src: int | None
     n: int  # requests of the span (its list holds the first 64)
+    cpu_us: float | None = None  # the rank's thread's CPU over the span (traces of stop 45 on: sends and compute)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,11 @@ def read_trace(path: str | Path) -> tuple[str, str | None, list[Span]]:
         n = args.get("n", len(reqs))
         if not isinstance(n, int) or isinstance(n, bool) or n < len(reqs):
             raise _bad(p, f"event {i}'s n is not a count of its requests")
-        spans.append(Span(name, float(ts), float(ts) + float(dur), tuple(reqs), src, n))
+        cpu = args.get("cpu_us")
+        if cpu is not None and not (_num(cpu) and cpu >= 0):
+            raise _bad(p, f"event {i}'s cpu_us is not a CPU time")
+        spans.append(Span(name, float(ts), float(ts) + float(dur), tuple(reqs), src, n,
+                          None if cpu is None else float(cpu)))
     spans.sort(key=lambda s: s.start_us)
     return label, host, spans
 
@@ -194,6 +199,38 @@ def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[s
         notes.append(f"{cut} span(s) name only the first 64 of their requests (the tracer keeps 64): the hops of the "
                      "others are not read")
     return hops, labels, notes
+
+
+def span_rows(trace_dir: str | Path, keep: set[int] | None = None) -> list[dict[str, Any]]:
+    """Per rank and kind of span that carries its CPU (``cpu_us``: sends and compute), medians of its wall time,
+    its CPU and the difference, the time the rank waited inside the span (for a core, mostly, on a node with
+    fewer cores than ranks); spans of the requests in ``keep`` only, when given (microseconds)."""
+    rows = []
+    for f in sorted(Path(trace_dir).glob("rank*.json")):
+        m = _RANK_FILE.fullmatch(f.name)
+        if m is None:
+            continue
+        label, _, spans = read_trace(f)
+        by: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for x in spans:
+            if x.cpu_us is not None and (keep is None or any(q in keep for q in x.requests)):
+                by[x.name].append((x.end_us - x.start_us, x.cpu_us))
+        for name, v in sorted(by.items()):
+            a = np.array(v)
+            rows.append({"rank": int(m.group(1)), "label": label, "span": name, "n": len(v),
+                         "wall_p50_us": float(np.median(a[:, 0])), "cpu_p50_us": float(np.median(a[:, 1])),
+                         "waited_p50_us": float(np.median(np.maximum(0.0, a[:, 0] - a[:, 1]))),
+                         "waited_p90_us": float(np.quantile(np.maximum(0.0, a[:, 0] - a[:, 1]), 0.9))})
+    return rows
+
+
+def _span_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'rank':<28} {'span':<11} {'n':>6} {'wall p50':>9} {'CPU p50':>8} {'waited p50':>10} {'p90':>8}   (us)"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['label'][:28]:<28} {r['span']:<11} {r['n']:>6} {r['wall_p50_us']:>9.1f} "
+                     f"{r['cpu_p50_us']:>8.1f} {r['waited_p50_us']:>10.1f} {r['waited_p90_us']:>8.1f}")
+    return "\n".join(lines)
 
 
 def bench_requests(run_dir: str | Path, variant: str, qps: float | None = None) -> set[int]:
@@ -367,7 +404,7 @@ def main(argv: list[str]) -> int:
         cal_path = args.calibration or _run_calibration(run, cfg)
         cal = load_calibration(cal_path) if cal_path else None
         hops, labels, notes = trace_hops(trace_dir)
-        what = ""
+        what, keep = "", None
         if args.variant:
             keep = bench_requests(run, args.variant, args.qps)
             hops = [h for h in hops if h.request in keep]
@@ -397,6 +434,11 @@ def main(argv: list[str]) -> int:
               + ("; way: busy + hop, measured; sim way: the simulated send to taken, and its parts: s.busy the wait "
                  "for the receiver's work, s.hop the hop delay of a sleeping receiver, s.core the wait for a core "
                  "(medians: the parts need not add up to the way)" if sim else ""))
+        spans = span_rows(trace_dir, keep)
+        if spans:
+            print(f"\n# the ranks' own spans{what}: wall time against the thread's CPU (waited: inside the span, not "
+                  "computing; for a core, mostly, where ranks share cores)")
+            print(_span_table(spans))
         out = Path(args.out) if args.out else trace_dir
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -405,10 +447,15 @@ def main(argv: list[str]) -> int:
                 w.writeheader()
                 w.writerows(rows)
             _plot(hops, cal, out / "hops.png")
+            if spans:
+                with open(out / "spans.csv", "w", newline="") as fh:
+                    w = csv.DictWriter(fh, fieldnames=list(spans[0]))
+                    w.writeheader()
+                    w.writerows(spans)
         except OSError as e:
             raise HpcsplitError(f"cannot write hops.csv and hops.png to {out}: {e.strerror or e}; pass --out DIR "
                                 "somewhere writable") from e
-        print(f"wrote {out / 'hops.csv'} and {out / 'hops.png'}")
+        print(f"wrote {out / 'hops.csv'}{', ' + str(out / 'spans.csv') if spans else ''} and {out / 'hops.png'}")
     except HpcsplitError as e:
         print(f"error: {e}")
         return 2

@@ -168,6 +168,7 @@ class Calibration:
     programs: dict[str, ProgramCal] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     idle_cpu: Curve = field(default_factory=lambda: Curve.constant(0.0))  # CPU ms of an idle gap, its spin included
+    frontend_us_per_turn: float = 0.0  # CPU of a frontend loop pass that does work, beyond its requests and messages
 
     # ------------------------------------------------------------------ the readers' figures
     @classmethod
@@ -258,6 +259,7 @@ class Calibration:
             "cross_extra": self.cross_extra.to_json(),
             "cpu": {"frontend_us_per_request": self.frontend_us_per_request,
                     "frontend_us_per_message": self.frontend_us_per_message,
+                    "frontend_us_per_turn": self.frontend_us_per_turn,
                     "component_us_per_message": self.component_us_per_message,
                     "component_us_per_request": self.component_us_per_request},
             "compute": {"gflops": {str(k): v for k, v in sorted(self.compute_gflops.items())},
@@ -446,7 +448,9 @@ class _Reader:
         if kind not in ("cpu", "cuda"):
             self.bad("device_kind", kind, "'cpu' or 'cuda'")
         cpu = self.keys(d.get("cpu"), "cpu", ("frontend_us_per_request", "frontend_us_per_message",
-                                              "component_us_per_message", "component_us_per_request"))
+                                              "frontend_us_per_turn", "component_us_per_message",
+                                              "component_us_per_request"),
+                        optional=("frontend_us_per_turn",))  # (files written before it have none: 0)
         comp = self.keys(d.get("compute"), "compute", ("gflops", "corun_slowdown"))
         gfl = comp.get("gflops")
         gflops: dict[int, float] = {}
@@ -511,5 +515,7 @@ class _Reader:
             programs=progs,
             notes=tuple(self.text(n, f"notes[{i}]", 2000) for i, n in enumerate(notes)),
             idle_cpu=self.curve(d["idle_cpu"], "idle_cpu") if "idle_cpu" in d else Curve.constant(0.0),
+            frontend_us_per_turn=(self.num(cpu["frontend_us_per_turn"], "cpu.frontend_us_per_turn", 0, 1e6)
+                                  if "frontend_us_per_turn" in cpu else 0.0),
         )
         return cal

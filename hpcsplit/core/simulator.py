@@ -285,6 +285,7 @@ class _Sim:
         self.wait_s = s.policy.max_wait_ms / 1e3
         self.fe_req = cal.frontend_us_per_request / 1e6
         self.fe_msg = cal.frontend_us_per_message / 1e6
+        self.fe_pass = cal.frontend_us_per_turn / 1e6  # a turn that admits or takes something, beyond those
         self.c_msg = cal.component_us_per_message / 1e6
         self.c_req = cal.component_us_per_request / 1e6
         same, cross = cal.same_node, cal.link(True)
@@ -724,7 +725,7 @@ class _Sim:
         # the frontend's Python and torch calls after a sleep run cold, as a small program does (compute_cold)
         cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.wk[0] != _OWN else 0.0
         self.wk[0] = _OWN
-        work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold
+        work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold + (self.fe_pass if n_adm or n_in else 0.0)
         self.start_job(0, t, work, (out, finished))
 
     def fe_done(self, t: float) -> None:

@@ -6,6 +6,9 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
 - **CPU per batch and per request** of a component: its CPU seconds at saturation, batch 1 and batch 32, solve
   ``cpu = a * batches + b * requests`` (``component_us_per_message = a / 2``: one message in, one out;
   ``component_us_per_request = b``); the frontend's the same way, ``cpu = c * requests + d * messages``;
+  and its CPU per working pass of its loop beyond that (``frontend_us_per_turn``), from the ``turns`` run (one
+  request in flight: a pass admits one request and sends one message, or takes one answer):
+  ``(turn CPU - c * requests - d * 2 requests) / passes``, at least 0;
 - **links**: on one node the back-to-back ping-pong's one-way time (send to the replica's program) less the
   replica's CPU before it (``recv = a / 2 + b``) is ``m + bytes / bandwidth`` at each size: ``m`` is the latency
   of a small message to a busy rank; across nodes (no common clock) the round trip is ``2 m + turn + 2 * bytes /
@@ -81,6 +84,15 @@ def _cpu(chains: Mapping[str, Any]) -> tuple[float, float, float, float]:
         cd = _solve2((f1["requests"], m1), f1["frontend_cpu_s"], (f32["requests"], m32), f32["frontend_cpu_s"])
     c, d = cd if cd is not None else (fe_req, 0.0)
     return a, b, c, d
+
+
+def _turn_cpu(chains: Mapping[str, Any], c: float, d: float) -> float:
+    """The frontend's CPU seconds per working pass beyond its requests and messages (0 without a ``turns`` run)."""
+    t = chains.get("turns", {}).get("turns", {})
+    if not t or t.get("turns", 0) <= 0:
+        return 0.0
+    n = t["requests"]
+    return max(0.0, (t["turn_cpu_s"] - c * n - d * 2 * n) / t["turns"])
 
 
 def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
@@ -215,6 +227,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         device_kind="cpu", hop=_increasing(hop), hop_p90=_increasing(p90), frontend_timer=_increasing(timer),
         compute_cold=cold, same_node=same, cross_node=cross_link, cross_extra=cross_extra,
         frontend_us_per_request=c * 1e6, frontend_us_per_message=d * 1e6,
+        frontend_us_per_turn=_turn_cpu(chains, c, d) * 1e6,
         component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
         compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
         notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",), idle_cpu=idle_cpu,

@@ -14,7 +14,10 @@ each chain the components run the runtime's own loop (``serve_component``) on ``
    with requests ``chain_gaps_ms`` apart: the frontend's admission lag after a sleep (admit - arrival), and
    pipeline times the simulator is checked against;
 3. **saturation**: ``saturation_requests`` all at once through ``one`` with the component at batch 1, then
-   at batch 32: the frontend's and the component's CPU seconds per request and per message;
+   at batch 32: the frontend's and the component's CPU seconds per request and per message; then ``turns``:
+   :data:`TURN_REQUESTS` through ``one`` with one in flight, the frontend counting its loop's working passes and
+   their thread CPU (each admits one request or takes one answer: what a pass costs beyond its request and
+   messages, which the saturation runs spread over many requests a pass);
 4. **compute**: a fixed matmul set on rank 0 at each thread count (GFLOP/s), then on ``k`` ranks of rank 0's
    node at once for one second each (``corun_slowdown``); a small program (Linear 64 -> 256, ReLU, batch 1)
    back to back and after each idle gap (``compute_cold``);
@@ -66,6 +69,7 @@ WAIT_SLEEP_S = 0.02  # ranks outside a step poll their barrier at most 50 times 
 MATMUL_SIZES = (256, 512, 1024)
 CORUN_S = 1.0
 SMALL_RUNS = 50
+TURN_REQUESTS = 300  # the frontend's turns one request at a time (``turns``)
 
 
 def chain_dataflow(ranks: list[int], batch: int) -> Dataflow:
@@ -128,6 +132,10 @@ class _Job:
             out = {}
             for label, spec in sessions:
                 out[label] = r = self.session(fe, spec)
+                if "turns" in r:
+                    say(0, f"calibration: frontend {label}: {r['requests']} requests one at a time, {r['turns']} "
+                           f"working passes of {r['turn_cpu_s'] / max(1, r['turns']) * 1e6:.1f} us CPU each")
+                    continue
                 say(0, f"calibration: frontend {label}: pipeline p50 {np.median(r['pipe_ms']):.3f} ms, admission lag "
                        f"p50 {np.median(r['lag_ms']):.3f} ms ({len(r['pipe_ms'])} requests)")
             fe.stop_all(self.rt.wait_bound_s)  # every request finished (a timeout raises): nothing left to drop
@@ -199,6 +207,12 @@ class _Job:
             return [x.index_select(0, torch.as_tensor(idx % 4))]
 
         timeout = self.rt.request_timeout_s
+        if kind == "turns":  # one request in flight: every working pass admits one or takes one answer
+            fe.count_turns, fe.turns, fe.turn_cpu_s = True, 0, 0.0
+            res = fe.run(np.zeros(arg["n"]), get, None, timeout, 1)
+            fe.count_turns = False
+            return {"requests": int(res.ok.sum()), "turns": fe.turns, "turn_cpu_s": fe.turn_cpu_s,
+                    "pipe_ms": [float(np.median((res.done_s - res.admit_s)[res.ok]) * 1e3)], "lag_ms": [0.0]}
         if kind == "gap":
             n = arg["n"] + 2
             res = fe.run(np.arange(n) * arg["gap_ms"] / 1e3, get, None, timeout, self.rt.max_inflight)
@@ -362,6 +376,7 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
     for b in (1, 32):
         job.chain(f"saturation b{b}", [a], b,
                   job.frontend_sessions([("saturation", ("saturation", {"n": s.saturation_requests}))]))
+    job.chain("turns", [a], 1, job.frontend_sessions([("turns", ("turns", {"n": TURN_REQUESTS}))]))
     job.wait("compute: start")
     cluster = ClusterSpec.from_config(cfg.get("cluster") or {})
     threads = s.threads or tuple(cluster.cpu_threads) or (1,)

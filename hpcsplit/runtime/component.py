@@ -180,7 +180,7 @@ def serve_component(
                     inputs = [stack_rows([it.rows[k] for it in items]) for k in range(len(flow.inputs))]
                     if cuda_sync is not None:
                         cuda_sync()  # the inputs' copies and stacking are not this batch's compute
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), tracer.cpu()
                     outs = as_tuple(fn(*inputs))
                     if cuda_sync is not None:
                         cuda_sync()
@@ -193,7 +193,7 @@ def serve_component(
                         _report_and_raise(comm, msg, abort_grace_s, e)
                     _rows_one_by_one(comm, outbox, groups, items, flow, fn, e, stats, tracer, rank, name)
                     continue
-                tracer.span("compute", t0, t1, ids, batch=len(ids))
+                tracer.span("compute", t0, t1, ids, cpu0=c0, batch=len(ids))
                 stats["batches"] += 1
                 stats["requests"] += len(ids)
                 stats["compute_s"] += t1 - t0
@@ -268,7 +268,7 @@ def _lost(m: tp.Message, lost: set[int], rank: int, name: str, inbox: mb.Inbox, 
 def _send_outputs(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: list[ReadyRequest],
                   outs: tuple[Any, ...], out_bdims: tuple[tuple[int, ...], ...], tracer: Tracer,
                   path_us: int = 0, skip: set[int] | frozenset[int] = frozenset()) -> None:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), tracer.cpu()
     ids = [it.request_id for it in items]
     routes = [it.route for it in items]
     for ci, pairs in groups:
@@ -281,7 +281,7 @@ def _send_outputs(comm: MPI.Comm, outbox: mb.Outbox, groups: SendGroups, items: 
             sel = [(slot, take_requests(outs[j], out_bdims[j], pos), out_bdims[j][0]) for j, slot in pairs]
             outbox.add(tp.isend_message(comm, dest, tp.KIND_DATA, [ids[k] for k in pos],
                                         [routes[k] for k in pos], sel, aux=path_us), dest)
-    tracer.span("send", t0, time.perf_counter(), ids)
+    tracer.span("send", t0, time.perf_counter(), ids, cpu0=c0)
 
 
 # [Note: failed rows]

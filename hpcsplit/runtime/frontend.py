@@ -117,6 +117,8 @@ class Frontend:
                              for j, (src, name) in enumerate(dataflow.output_sources) if src == INPUT]
         self.n_outputs = len(dataflow.outputs)
         self.stalled = False  # the last session ended because nothing came back (see run's ``admission``)
+        self.count_turns = False  # count the loop's passes that do work and their thread CPU (the calibration)
+        self.turns, self.turn_cpu_s = 0, 0.0
         self.row_errors: list[str] = []  # the messages of the first 20 KIND_ROW_ERROR reports
 
     # ------------------------------------------------------------------ session
@@ -179,9 +181,11 @@ class Frontend:
         next_i = 0
         resolved = 0
         next_scan = 0.0
+        count = self.count_turns
         while resolved < n:
             now = time.perf_counter() - t0
             worked = False
+            c_pass = time.thread_time() if count else 0.0
             sig = stop_signal()
             if sig is not None:  # [Note: stop signals] in hpcsplit.runtime.faults: admit nothing more
                 raise JobInterrupted(f"{sig[0]} received: stopped admitting requests ({int((status == STATUS_OK).sum())}"
@@ -284,6 +288,9 @@ class Frontend:
                         self.stalled = True
             if worked:
                 backoff.reset()
+                if count:
+                    self.turns += 1
+                    self.turn_cpu_s += time.thread_time() - c_pass
             else:
                 wake = t0 + arrivals[next_i] if next_i < n and len(inflight) < max_inflight else None
                 if inflight:  # the oldest request's deadline (a quiet sleep may last 100 ms)
@@ -300,7 +307,7 @@ class Frontend:
                admit_s: np.ndarray, done_s: np.ndarray, status: np.ndarray, now: float, keep: bool,
                t0: float, on_done: Callable[..., None] | None, base: int) -> int:
         """Route, record and send newly admitted requests; returns how many finished right away."""
-        t_a = time.perf_counter()
+        t_a, c_a = time.perf_counter(), self.tracer.cpu()
         idx = np.asarray(adm, dtype=np.int64)
         inputs = get_inputs(idx)
         routes = []
@@ -334,7 +341,7 @@ class Frontend:
                 sel = [(slot, take_requests(inputs[i], bd[i], pos), bd[i][0]) for i, slot in pairs]
                 self.outbox.add(tp.isend_message(self.comm, rank, tp.KIND_DATA, [ids[k] for k in pos],
                                                  [routes[k] for k in pos], sel), rank)
-        self.tracer.span("admit_send", t_a, time.perf_counter(), ids)
+        self.tracer.span("admit_send", t_a, time.perf_counter(), ids, cpu0=c_a)
         return finished
 
     def admit_rows(self, rows: list[int], inflight: dict[int, list[Any]], get_inputs: Callable[..., Any],

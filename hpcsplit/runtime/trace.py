@@ -46,10 +46,19 @@ class Tracer:
             return False
         return any(self.start <= r < self.end for r in request_ids)  # type: ignore[operator]
 
-    def span(self, name: str, t0: float, t1: float, request_ids: Iterable[int], **args: Any) -> None:
-        """Record ``name`` from ``t0`` to ``t1`` (``time.perf_counter`` seconds) if in the window."""
+    def cpu(self) -> float:
+        """This thread's CPU time now (``time.thread_time``) when tracing is on, else 0: a span's ``cpu0``."""
+        return time.thread_time() if self.enabled else 0.0
+
+    def span(self, name: str, t0: float, t1: float, request_ids: Iterable[int], cpu0: float | None = None,
+             **args: Any) -> None:
+        """Record ``name`` from ``t0`` to ``t1`` (``time.perf_counter`` seconds) if in the window; with ``cpu0``
+        (:meth:`cpu` at ``t0``) also the calling thread's CPU over the span, ``cpu_us``: a span longer than its
+        CPU waited (for a core, for the GIL, in a system call)."""
         if not self.enabled:
             return
+        if cpu0 is not None:
+            args["cpu_us"] = round((time.thread_time() - cpu0) * 1e6, 1)
         ids = list(request_ids)
         if not self.wants(ids):
             return

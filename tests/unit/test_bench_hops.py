@@ -99,6 +99,8 @@ def test_an_edge_between_hosts_is_left_out_and_named(tmp_path: Path) -> None:
      "finite ts"),
     ('{"traceEvents": [{"ph": "X", "name": "recv", "ts": 1, "dur": 1, "args": {"requests": [1, 2], "n": 1}}]}',
      "count of its requests"),
+    ('{"traceEvents": [{"ph": "X", "name": "send", "ts": 1, "dur": 1, "args": {"requests": [1], "cpu_us": -3}}]}',
+     "cpu_us is not a CPU time"),
 ])
 def test_a_file_that_is_not_a_trace_is_refused_by_name(tmp_path: Path, text: str, what: str) -> None:
     (tmp_path / "rank0.json").write_text(text)
@@ -169,3 +171,24 @@ def test_simulate_needs_a_level_a_calibration_and_the_benchs_plan(tmp_path: Path
     (run / "bench.cfg.json").write_text(json.dumps({"stage": "bench", "plan": str(tmp_path / "gone.json")}))
     assert bh.main(args) == 2
     assert "gone.json is not there" in capsys.readouterr().out
+
+
+def test_spans_with_their_cpu_say_how_long_the_rank_waited_inside_them(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A span of 100 us wall in which the thread computed 40 us waited 60 us (for a core, where ranks share them);
+    spans without a CPU figure (receives, traces of older versions) are left out; ``keep`` picks requests."""
+    from hpcsplit.runtime import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod.time, "thread_time", lambda: 1.0)
+    tr = Tracer(1, 0, 100, "stem")
+    for q, (wall, cpu) in enumerate([(100e-6, 40e-6), (200e-6, 40e-6), (50e-6, 50e-6)]):
+        tr.span("compute", q * 0.01, q * 0.01 + wall, [q], cpu0=tr.cpu() - cpu)
+    tr.span("recv", 0.5, 0.6, [9], src=0)
+    tr.span("send", 0.7, 0.8, [9])  # no cpu0: no CPU figure
+    tr.write(tmp_path)
+    rows = bh.span_rows(tmp_path)
+    assert [(r["span"], r["n"]) for r in rows] == [("compute", 3)]
+    assert rows[0]["wall_p50_us"] == pytest.approx(100.0) and rows[0]["cpu_p50_us"] == pytest.approx(40.0)
+    assert rows[0]["waited_p50_us"] == pytest.approx(60.0)
+    assert bh.span_rows(tmp_path, keep={1})[0]["waited_p50_us"] == pytest.approx(160.0)
+    assert "waited p50" in bh._span_table(rows) and "rank 1 stem" in bh._span_table(rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,6 +45,16 @@ def test_round_trip_keeps_every_figure(tmp_path: Path) -> None:
     assert back.hop.at(10.0) == pytest.approx(0.45) and back.program("whole", "ab" * 32).batch1_ms == 1.5
     assert back.program("whole", "cd" * 32) is None  # another switchboard's programs are not used
     assert back.idle_cpu.at(2.0) == pytest.approx(0.15)
+
+
+def test_a_file_written_before_the_frontends_cpu_per_turn_reads_as_none(tmp_path: Path) -> None:
+    d = dataclasses.replace(measured(), frontend_us_per_turn=42.0).to_json()
+    assert load_calibration(_write(tmp_path, d)).frontend_us_per_turn == 42.0
+    del d["cpu"]["frontend_us_per_turn"]
+    assert load_calibration(_write(tmp_path, d)).frontend_us_per_turn == 0.0
+    d["cpu"]["frontend_us_per_turn"] = -1.0
+    with pytest.raises(CalibrationError, match=r"cpu.frontend_us_per_turn = -1.0"):
+        load_calibration(_write(tmp_path, d))
 
 
 def test_a_file_written_before_idle_cpu_reads_as_no_idle_cpu(tmp_path: Path) -> None:
@@ -186,6 +197,20 @@ def test_fit_recovers_the_figures_it_was_given(tmp_path: Path) -> None:
     for v in raw["chains"]["pingpong"].values():
         v.pop("cpu_ms")
     assert fit(raw).idle_cpu == Curve.constant(0.0)  # no stamps (an older job's raw figures): none
+    assert cal.frontend_us_per_turn == 0.0  # no turns run (an older job's raw figures): none
+
+
+def test_the_frontends_cpu_per_turn_is_what_a_pass_costs_beyond_its_request_and_messages() -> None:
+    """The saturation runs give the frontend 8.75 us a request and 15.625 us a message (everything at once); with
+    one request in flight its 600 passes (an admission and an answer each of 300 requests) took 20 us more each."""
+    raw = _raw(0.5)
+    c, d, turn = 8.75e-6, 15.625e-6, 20e-6
+    raw["chains"]["turns"] = {"turns": {"requests": 300, "turns": 600, "turn_cpu_s": 300 * c + 600 * d + 600 * turn}}
+    cal = fit(raw)
+    assert cal.frontend_us_per_request == pytest.approx(8.75) and cal.frontend_us_per_message == pytest.approx(15.625)
+    assert cal.frontend_us_per_turn == pytest.approx(20.0)
+    raw["chains"]["turns"]["turns"]["turn_cpu_s"] = 1e-6  # cheaper than its requests (noise): not below 0
+    assert fit(raw).frontend_us_per_turn == 0.0
 
 
 def test_cold_extra_is_taken_in_pairs_so_a_drift_between_the_runs_cancels() -> None:

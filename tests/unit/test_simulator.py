@@ -390,6 +390,18 @@ def test_short_turns_on_a_full_node_run_whole_in_the_order_they_came() -> None:
     assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([0.5, 1.0])
 
 
+def test_the_frontends_cpu_per_turn_is_paid_once_by_each_turn_that_admits_or_takes_something() -> None:
+    """One request alone: the frontend's admission turn and its answer's turn each cost the 0.3 ms a turn takes
+    beyond its request (0.1 ms) and messages (0.05 ms each): 0.45 + 0.35 ms about a 1 ms batch; two requests
+    admitted in one turn pay the turn once."""
+    cal = free(frontend_us_per_turn=300.0, frontend_us_per_request=100.0, frontend_us_per_message=50.0)
+    r = simulate(chain([1.0], cal), np.array([0.0]))
+    assert float((r.done_s - r.arrival_s)[0] * 1e3) == pytest.approx(0.45 + 1.0 + 0.35)
+    two = simulate(chain([1.0], cal, batch=2), np.array([0.0, 0.0]))
+    # one turn admits both (0.3 + 2 x 0.1 + one message 0.05), one batch, one turn takes the answer (0.3 + 0.05)
+    assert ((two.done_s - two.arrival_s) * 1e3).tolist() == pytest.approx([0.55 + 1.0 + 0.35] * 2)
+
+
 def test_the_hop_log_counts_a_turn_that_waited_for_a_core_as_that_wait() -> None:
     """Of two messages that reach replicas sharing one core at once, one is taken at once and the other when the
     first replica's 0.5 ms batch ends: its way is that wait for a core, not a hop or the receiver's own work."""

@@ -22,7 +22,8 @@ declare -a ROWS=()
 
 if [[ ! -x $PY ]]; then
     if compgen -G "${HPCSPLIT_WHEELS:-.whl}/*.whl" >/dev/null; then
-        ./scripts/device-setup.sh >"$OUT/setup.log" 2>&1 || { echo "cpu-check: setup failed ($OUT/setup.log)"; exit 1; }
+        timeout -k 5 "${CPU_CHECK_T_SETUP:-90}" ./scripts/device-setup.sh >"$OUT/setup.log" 2>&1 \
+            || { echo "cpu-check: setup failed ($OUT/setup.log)"; exit 1; }
     else
         echo "cpu-check: no .venv: run ./scripts/setup.sh (or carry .whl and let scripts/device-setup.sh make it)"
         exit 1
@@ -54,8 +55,8 @@ step() {
     return 0
 }
 
-step transport "${CPU_CHECK_T_TRANSPORT:-120}" "$PY" -m hpcsplit.bench transport --sizes 4K,16K,64K,1M,4M
-step server "${CPU_CHECK_T_SERVER:-300}" "$PY" -m hpcsplit.bench server --concurrency "$CONCURRENCY" \
+step transport "${CPU_CHECK_T_TRANSPORT:-90}" "$PY" -m hpcsplit.bench transport --sizes 4K,16K,64K,1M,4M
+step server "${CPU_CHECK_T_SERVER:-270}" "$PY" -m hpcsplit.bench server --concurrency "$CONCURRENCY" \
     --protocols http-binary,grpc --interval-ms 1000 --rounds 1 --workers "$WORKERS" \
     --server-cpus "$SERVER_CPUS" --client-cpus "$CLIENT_CPUS" --out "$OUT/server"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offline setup on a machine whose Python already holds torch and that reaches no package index: the lent GPU
-# machines (docs/gpu.md). .venv goes on top of that Python (--system-site-packages: its CUDA torch, numpy, h5py,
-# ... stay as they are), the carried wheels of .whl/ (scripts/device-wheels.sh, made where an index is reachable)
+# machines (docs/gpu.md). .venv goes on top of that Python (its site-packages added behind the venv's own by a
+# .pth: its CUDA torch, numpy, h5py, ... stay as they are), the carried wheels of .whl/ (scripts/device-wheels.sh, made where an index is reachable)
 # are installed without an index, and hpcsplit editable without its dependencies. It says which torch it found:
 # the image's may differ from the pin of scripts/setup.sh (2.13.0), which is what a check there then tests.
 #
@@ -22,7 +22,9 @@ wheels=("$WHEELS"/*.whl)
 
 if [[ ! -x .venv/bin/python ]]; then
     say "creating .venv with $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
-    "$PYTHON" -m venv .venv || die "'$PYTHON -m venv' failed"
+    # (a Python without ensurepip makes no venv with pip: then one without, which runs the image's pip)
+    "$PYTHON" -m venv .venv 2>/dev/null || { rm -rf .venv && "$PYTHON" -m venv --without-pip .venv; } \
+        || die "'$PYTHON -m venv' failed"
 fi
 PY=.venv/bin/python
 # That Python's packages stay visible behind the venv's own (the image's python3 is itself a venv, whose
@@ -45,7 +47,7 @@ from pathlib import Path
 missing = []
 for name in ("torch", "numpy", "h5py", "networkx", "cvxpy", "highspy", "hydra", "submitit", "mpi4py", "pynvml",
              "matplotlib", "graphviz", "safetensors", "yaml", "aiohttp", "grpc", "prometheus_client",
-             "tritonclient.grpc", "transformers", "hpcsplit"):
+             "tritonclient.grpc", "transformers", "cryptography.x509", "hpcsplit"):
     try:
         importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - each one named with why

@@ -9,12 +9,12 @@
 # cvxpy imports neither to load or to solve with HiGHS, which is what hpcsplit uses.
 #
 #   ./scripts/device-wheels.sh                       # CPython 3.12 (the image's), into .whl
-#   PYVER=3.11 WHEELS=/tmp/w ./scripts/device-wheels.sh
+#   PYVER=3.11 HPCSPLIT_WHEELS=/tmp/w ./scripts/device-wheels.sh    # (the name device-setup.sh reads too)
 #   PERF=1 ./scripts/device-wheels.sh                # and perf_analyzer in .whl/perf (15 MB; device-cpu-check.sh)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYVER=${PYVER:-3.12}
-WHEELS=${WHEELS:-.whl}
+WHEELS=${HPCSPLIT_WHEELS:-.whl}
 PY=.venv/bin/python
 if [[ ! -x $PY ]]; then
     echo "device-wheels: no .venv here to read the tested versions from: run ./scripts/setup.sh first" >&2
@@ -25,7 +25,7 @@ fi
 # the tests import (the HTTP client of tritonclient, the TLS tests' CA).
 RUNTIME=(cvxpy highspy clarabel osqp qdldl hydra-core omegaconf antlr4-python3-runtime hydra-submitit-launcher submitit
          graphviz tritonclient python-rapidjson mpich mpi4py)
-TESTS=(cryptography gevent geventhttpclient greenlet zope.event zope.interface brotli)
+TESTS=(cryptography cffi pycparser gevent geventhttpclient greenlet zope.event zope.interface brotli)
 
 pins=()
 for name in "${RUNTIME[@]}" "${TESTS[@]}"; do
@@ -37,7 +37,8 @@ for name in "${RUNTIME[@]}" "${TESTS[@]}"; do
 done
 
 mkdir -p "$WHEELS"
-rm -rf "$WHEELS"/*.whl "$WHEELS/perf"
+rm -f "$WHEELS"/*.whl
+[[ ${PERF:-0} != 1 ]] || rm -rf "$WHEELS/perf"
 plat=()
 for p in manylinux_2_{5,17,24,27,28,31,34}_x86_64 manylinux1_x86_64 manylinux2014_x86_64; do plat+=(--platform "$p"); done
 for pin in "${pins[@]}"; do

@@ -344,5 +344,6 @@ def _batch1_ms(cp: ComponentProfile) -> float:
 
 def frontend_s_per_request(cal: Calibration) -> float | None:
     """The frontend's CPU seconds per request for the allocator's time-sharing pass (a request and one message):
-    a calibration's, else None (the allocator's default, ``timeshare.FRONTEND_S_PER_REQUEST``)."""
+    a calibration's, else None (the allocator's default, ``timeshare.FRONTEND_S_PER_REQUEST``).  A turn's own CPU
+    (``frontend_us_per_turn``) is left out: at the rates the allocator plans for, a turn admits many requests."""
     return (cal.frontend_us_per_request + cal.frontend_us_per_message) / 1e6 if cal.measured else None

@@ -203,8 +203,9 @@ def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[s
 
 def span_rows(trace_dir: str | Path, keep: set[int] | None = None) -> list[dict[str, Any]]:
     """Per rank and kind of span that carries its CPU (``cpu_us``: sends and compute), medians of its wall time,
-    its CPU and the difference, the time the rank waited inside the span (for a core, mostly, on a node with
-    fewer cores than ranks); spans of the requests in ``keep`` only, when given (microseconds)."""
+    its thread's CPU and the difference, the time the rank waited inside the span (for a core, mostly, where
+    one-thread CPU ranks share a node's cores; on a GPU, or with torch's other threads, compute is not the thread's
+    CPU); spans of the requests in ``keep`` only, when given (microseconds)."""
     rows = []
     for f in sorted(Path(trace_dir).glob("rank*.json")):
         m = _RANK_FILE.fullmatch(f.name)
@@ -437,7 +438,8 @@ def main(argv: list[str]) -> int:
         spans = span_rows(trace_dir, keep)
         if spans:
             print(f"\n# the ranks' own spans{what}: wall time against the thread's CPU (waited: inside the span, not "
-                  "computing; for a core, mostly, where ranks share cores)")
+                  "on the CPU; for a core, mostly, where one-thread CPU ranks share cores; a GPU's work and torch's "
+                  "other threads are not the thread's CPU)")
             print(_span_table(spans))
         out = Path(args.out) if args.out else trace_dir
         try:

@@ -204,8 +204,9 @@ def simulate(system: SimSystem, arrivals_s: np.ndarray, seed: int = 0,
         Filled with ``(source rank, destination rank, sent, taken, its requests, delivered, busy, hop)`` per
         message (ranks as the plan numbers them, times in seconds): from the sender's send to the turn of the
         receiver that took it, and that way's parts: the transfer (to ``delivered``), the wait for the receiver's
-        work (``busy``: it was computing when the message came), the hop delay of a sleeping receiver (``hop``;
-        a batch's timer too) and the rest, ``taken - delivered - busy - hop``, the wait for a core
+        work (``busy``: it was computing when the message came; a job that lost its core at a slice's end is
+        counted here whole), the hop delay of a sleeping receiver (``hop``; the wait for a batch's timer and the
+        frontend's timer lag too) and the rest, ``taken - delivered - busy - hop``, the wait for a core
         (``python -m hpcsplit.bench hops`` puts these beside a traced run's).
 
     Returns
@@ -716,16 +717,20 @@ class _Sim:
         if self.hops is not None:
             self._taken(0, t)
         order = self.order
+        n_late = 0
         while order and (status[order[0]] != STATUS_PENDING or t - arr[order[0]] > timeout):
             i = order.popleft()
             if status[i] == STATUS_PENDING and self.missing[i] > 0:
                 status[i] = STATUS_TIMEOUT
                 self.router.release(self.routes[i], failed=True)
                 self.inflight -= 1
+                n_late += 1
         # the frontend's Python and torch calls after a sleep run cold, as a small program does (compute_cold)
         cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.wk[0] != _OWN else 0.0
         self.wk[0] = _OWN
-        work = self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold + (self.fe_pass if n_adm or n_in else 0.0)
+        # (a turn that admits, takes or fails something is a working pass of the runtime's loop: it pays its own CPU)
+        work = (self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold
+                + (self.fe_pass if n_adm or n_in or n_late else 0.0))
         self.start_job(0, t, work, (out, finished))
 
     def fe_done(self, t: float) -> None:

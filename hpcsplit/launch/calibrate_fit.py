@@ -6,9 +6,11 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
 - **CPU per batch and per request** of a component: its CPU seconds at saturation, batch 1 and batch 32, solve
   ``cpu = a * batches + b * requests`` (``component_us_per_message = a / 2``: one message in, one out;
   ``component_us_per_request = b``); the frontend's the same way, ``cpu = c * requests + d * messages``;
-  and its CPU per working pass of its loop beyond that (``frontend_us_per_turn``), from the ``turns`` run (one
-  request in flight: a pass admits one request and sends one message, or takes one answer):
-  ``(turn CPU - c * requests - d * 2 requests) / passes``, at least 0;
+  where the job counted the frontend's working passes (their number and thread CPU, in both saturation runs and
+  the ``turns`` run), ``c`` and ``d`` come from the saturation runs' working-pass CPU (the process's CPU also
+  counts the passes that found nothing, which the simulator charges as the spin), and ``frontend_us_per_turn``
+  is what a pass of the ``turns`` run (one request in flight: a pass admits one request and sends one message,
+  or takes one answer) costs beyond that: ``(its CPU - c * requests - d * 2 requests) / passes``, at least 0;
 - **links**: on one node the back-to-back ping-pong's one-way time (send to the replica's program) less the
   replica's CPU before it (``recv = a / 2 + b``) is ``m + bytes / bandwidth`` at each size: ``m`` is the latency
   of a small message to a busy rank; across nodes (no common clock) the round trip is ``2 m + turn + 2 * bytes /
@@ -64,35 +66,34 @@ def _solve2(x1: tuple[float, float], y1: float, x2: tuple[float, float], y2: flo
     return (float(a), float(b)) if a >= 0 and b >= 0 else None
 
 
-def _cpu(chains: Mapping[str, Any]) -> tuple[float, float, float, float]:
-    """(component s per batch, per request, frontend s per request, per message) from the saturation runs."""
+def _cpu(chains: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
+    """(component s per batch, per request, frontend s per request, per message, per working pass) from the
+    saturation runs and the ``turns`` run (``[Note: calibration fit]``)."""
     s1, s32 = chains.get("saturation b1", {}), chains.get("saturation b32", {})
     c1, c32 = s1.get("component", {}), s32.get("component", {})
     f1, f32 = s1.get("saturation", {}), s32.get("saturation", {})
     if not (c1 and f1):
-        return 20e-6, 0.0, 200e-6, 0.0
+        return 20e-6, 0.0, 200e-6, 0.0, 0.0
     per_batch = c1["cpu_s"] / max(1, c1["batches"])
     ab = None
     if c32:
         ab = _solve2((c1["batches"], c1["requests"]), c1["cpu_s"], (c32["batches"], c32["requests"]), c32["cpu_s"])
     a, b = ab if ab is not None else (per_batch, 0.0)
     fe_req = f1["frontend_cpu_s"] / max(1, f1["requests"])
-    cd = None
-    if c32 and f32:
-        m1 = 2 * c1["batches"] * f1["requests"] / max(1, c1["requests"])
-        m32 = 2 * c32["batches"] * f32["requests"] / max(1, c32["requests"])
-        cd = _solve2((f1["requests"], m1), f1["frontend_cpu_s"], (f32["requests"], m32), f32["frontend_cpu_s"])
-    c, d = cd if cd is not None else (fe_req, 0.0)
-    return a, b, c, d
-
-
-def _turn_cpu(chains: Mapping[str, Any], c: float, d: float) -> float:
-    """The frontend's CPU seconds per working pass beyond its requests and messages (0 without a ``turns`` run)."""
+    if not (c32 and f32):
+        return a, b, fe_req, 0.0, 0.0
+    m1 = 2 * c1["batches"] * f1["requests"] / max(1, c1["requests"])
+    m32 = 2 * c32["batches"] * f32["requests"] / max(1, c32["requests"])
     t = chains.get("turns", {}).get("turns", {})
-    if not t or t.get("turns", 0) <= 0:
-        return 0.0
-    n = t["requests"]
-    return max(0.0, (t["turn_cpu_s"] - c * n - d * 2 * n) / t["turns"])
+    if all(r.get("turns", 0) > 0 and "turn_cpu_s" in r for r in (f1, f32, t)):
+        # one measure throughout: the working passes' thread CPU (an older job's figures have none)
+        cd = _solve2((f1["requests"], m1), f1["turn_cpu_s"], (f32["requests"], m32), f32["turn_cpu_s"])
+        c, d = cd if cd is not None else (f1["turn_cpu_s"] / max(1, f1["requests"]), 0.0)
+        n = t["requests"]
+        return a, b, c, d, max(0.0, (t["turn_cpu_s"] - c * n - d * 2 * n) / t["turns"])
+    cd = _solve2((f1["requests"], m1), f1["frontend_cpu_s"], (f32["requests"], m32), f32["frontend_cpu_s"])
+    c, d = cd if cd is not None else (fe_req, 0.0)
+    return a, b, c, d, 0.0
 
 
 def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
@@ -186,7 +187,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
     """``[Note: calibration fit]``: the raw figures of one calibration job as a :class:`Calibration`."""
     chains = raw.get("chains", {})
     notes: list[str] = []
-    a, b, c, d = _cpu(chains)
+    a, b, c, d, per_turn = _cpu(chains)
     turn_ms = (a + b) * 1e3  # a batch of one: the CPU the simulator charges itself
     recv_ms = (a / 2 + b) * 1e3  # the replica's CPU from a message's arrival to its program: one message, one request
     same, hops = _pingpong(chains.get("pingpong", {}), recv_ms, turn_ms, 0.002)
@@ -227,7 +228,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         device_kind="cpu", hop=_increasing(hop), hop_p90=_increasing(p90), frontend_timer=_increasing(timer),
         compute_cold=cold, same_node=same, cross_node=cross_link, cross_extra=cross_extra,
         frontend_us_per_request=c * 1e6, frontend_us_per_message=d * 1e6,
-        frontend_us_per_turn=_turn_cpu(chains, c, d) * 1e6,
+        frontend_us_per_turn=per_turn * 1e6,
         component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
         compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
         notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",), idle_cpu=idle_cpu,

@@ -15,9 +15,10 @@ each chain the components run the runtime's own loop (``serve_component``) on ``
    pipeline times the simulator is checked against;
 3. **saturation**: ``saturation_requests`` all at once through ``one`` with the component at batch 1, then
    at batch 32: the frontend's and the component's CPU seconds per request and per message; then ``turns``:
-   :data:`TURN_REQUESTS` through ``one`` with one in flight, the frontend counting its loop's working passes and
-   their thread CPU (each admits one request or takes one answer: what a pass costs beyond its request and
-   messages, which the saturation runs spread over many requests a pass);
+   :data:`TURN_REQUESTS` through ``one`` with one in flight (each working pass of the frontend admits one request
+   or takes one answer). In all three the frontend counts its loop's working passes and their thread CPU, from
+   which the fit takes its CPU per request, per message and per pass (the saturation runs spread a pass over
+   many requests, the ``turns`` run has one a pass);
 4. **compute**: a fixed matmul set on rank 0 at each thread count (GFLOP/s), then on ``k`` ranks of rank 0's
    node at once for one second each (``corun_slowdown``); a small program (Linear 64 -> 256, ReLU, batch 1)
    back to back and after each idle gap (``compute_cold``);
@@ -132,7 +133,7 @@ class _Job:
             out = {}
             for label, spec in sessions:
                 out[label] = r = self.session(fe, spec)
-                if "turns" in r:
+                if label == "turns":
                     say(0, f"calibration: frontend {label}: {r['requests']} requests one at a time, {r['turns']} "
                            f"working passes of {r['turn_cpu_s'] / max(1, r['turns']) * 1e6:.1f} us CPU each")
                     continue
@@ -207,20 +208,24 @@ class _Job:
             return [x.index_select(0, torch.as_tensor(idx % 4))]
 
         timeout = self.rt.request_timeout_s
-        if kind == "turns":  # one request in flight: every working pass admits one or takes one answer
-            fe.count_turns, fe.turns, fe.turn_cpu_s = True, 0, 0.0
-            res = fe.run(np.zeros(arg["n"]), get, None, timeout, 1)
-            fe.count_turns = False
-            return {"requests": int(res.ok.sum()), "turns": fe.turns, "turn_cpu_s": fe.turn_cpu_s,
-                    "pipe_ms": [float(np.median((res.done_s - res.admit_s)[res.ok]) * 1e3)], "lag_ms": [0.0]}
         if kind == "gap":
             n = arg["n"] + 2
             res = fe.run(np.arange(n) * arg["gap_ms"] / 1e3, get, None, timeout, self.rt.max_inflight)
-        else:  # saturation: everything at once
-            fe.run(np.zeros(min(200, arg["n"])), get, None, timeout, 256)
+        else:  # saturation (everything at once) and turns (one in flight: a working pass admits one or takes one)
+            window = 256 if kind == "saturation" else 1
+            if kind == "saturation":
+                fe.run(np.zeros(min(200, arg["n"])), get, None, timeout, 256)
             c0 = cpu_seconds()
-            res = fe.run(np.zeros(arg["n"]), get, None, timeout, 256)
+            fe.count_turns, fe.turns, fe.turn_cpu_s = True, 0, 0.0  # the working passes and their thread CPU
+            try:
+                res = fe.run(np.zeros(arg["n"]), get, None, timeout, window)
+            finally:
+                fe.count_turns = False
+            if not res.ok.all():
+                raise CalibrationError(f"calibration: {int((~res.ok).sum())} of {len(res.ok)} requests of a {kind} "
+                                       "session timed out; the machine is too loaded to calibrate (or a rank is stuck)")
             return {"requests": int(res.ok.sum()), "wall_s": res.wall_s, "frontend_cpu_s": cpu_seconds() - c0,
+                    "turns": fe.turns, "turn_cpu_s": fe.turn_cpu_s,
                     "pipe_ms": [float(np.median((res.done_s - res.admit_s)[res.ok]) * 1e3)], "lag_ms": [0.0]}
         if not res.ok.all():
             raise CalibrationError(f"calibration: {int((~res.ok).sum())} of {len(res.ok)} requests of a {kind} session "

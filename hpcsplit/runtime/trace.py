@@ -53,15 +53,16 @@ class Tracer:
     def span(self, name: str, t0: float, t1: float, request_ids: Iterable[int], cpu0: float | None = None,
              **args: Any) -> None:
         """Record ``name`` from ``t0`` to ``t1`` (``time.perf_counter`` seconds) if in the window; with ``cpu0``
-        (:meth:`cpu` at ``t0``) also the calling thread's CPU over the span, ``cpu_us``: a span longer than its
-        CPU waited (for a core, for the GIL, in a system call)."""
+        (:meth:`cpu` at ``t0``) also the calling thread's CPU over the span, ``cpu_us``: on a CPU rank of one
+        thread, a span longer than its CPU waited (for a core, for the GIL, in a system call); torch's other
+        threads and a GPU's work are not this thread's CPU."""
         if not self.enabled:
             return
-        if cpu0 is not None:
-            args["cpu_us"] = round((time.thread_time() - cpu0) * 1e6, 1)
         ids = list(request_ids)
         if not self.wants(ids):
             return
+        if cpu0 is not None:
+            args["cpu_us"] = round((time.thread_time() - cpu0) * 1e6, 1)
         self.events.append({
             "name": name, "ph": "X", "pid": self.rank, "tid": 0,
             "ts": t0 * 1e6, "dur": max(0.0, (t1 - t0) * 1e6),

@@ -47,7 +47,7 @@ def test_round_trip_keeps_every_figure(tmp_path: Path) -> None:
     assert back.idle_cpu.at(2.0) == pytest.approx(0.15)
 
 
-def test_a_file_written_before_the_frontends_cpu_per_turn_reads_as_none(tmp_path: Path) -> None:
+def test_a_file_written_before_the_frontends_cpu_per_turn_reads_it_as_zero(tmp_path: Path) -> None:
     d = dataclasses.replace(measured(), frontend_us_per_turn=42.0).to_json()
     assert load_calibration(_write(tmp_path, d)).frontend_us_per_turn == 42.0
     del d["cpu"]["frontend_us_per_turn"]
@@ -201,16 +201,24 @@ def test_fit_recovers_the_figures_it_was_given(tmp_path: Path) -> None:
 
 
 def test_the_frontends_cpu_per_turn_is_what_a_pass_costs_beyond_its_request_and_messages() -> None:
-    """The saturation runs give the frontend 8.75 us a request and 15.625 us a message (everything at once); with
-    one request in flight its 600 passes (an admission and an answer each of 300 requests) took 20 us more each."""
+    """The frontend's working passes, counted in the two saturation runs and in the ``turns`` run (one request a
+    pass): their thread CPU gives 6 us a request and 12 us a message in the saturation runs (not the process
+    CPU, 8.75 and 15.625 us, which also counts the passes that found nothing), and the ``turns`` run's passes cost
+    20 us more each than that."""
     raw = _raw(0.5)
-    c, d, turn = 8.75e-6, 15.625e-6, 20e-6
-    raw["chains"]["turns"] = {"turns": {"requests": 300, "turns": 600, "turn_cpu_s": 300 * c + 600 * d + 600 * turn}}
+    c, d, turn = 6e-6, 12e-6, 20e-6
+    ch = raw["chains"]
+    for key, m, passes in (("saturation b1", 2000, 900), ("saturation b32", 80, 30)):
+        ch[key]["saturation"].update(turns=passes, turn_cpu_s=1000 * c + m * d)
+    ch["turns"] = {"turns": {"requests": 300, "turns": 600, "turn_cpu_s": 300 * c + 600 * d + 600 * turn}}
     cal = fit(raw)
-    assert cal.frontend_us_per_request == pytest.approx(8.75) and cal.frontend_us_per_message == pytest.approx(15.625)
+    assert cal.frontend_us_per_request == pytest.approx(6.0) and cal.frontend_us_per_message == pytest.approx(12.0)
     assert cal.frontend_us_per_turn == pytest.approx(20.0)
-    raw["chains"]["turns"]["turns"]["turn_cpu_s"] = 1e-6  # cheaper than its requests (noise): not below 0
-    assert fit(raw).frontend_us_per_turn == 0.0
+    ch["turns"]["turns"]["turn_cpu_s"] = 300 * c + 600 * d  # no more than its requests and messages: no turn cost
+    assert fit(raw).frontend_us_per_turn == pytest.approx(0.0, abs=1e-9)
+    del ch["turns"]  # an older job's figures: the saturation runs' process CPU, no turn cost
+    old = fit(raw)
+    assert old.frontend_us_per_turn == 0.0 and old.frontend_us_per_message == pytest.approx(15.625)
 
 
 def test_cold_extra_is_taken_in_pairs_so_a_drift_between_the_runs_cancels() -> None:

@@ -402,6 +402,16 @@ def test_the_frontends_cpu_per_turn_is_paid_once_by_each_turn_that_admits_or_tak
     assert ((two.done_s - two.arrival_s) * 1e3).tolist() == pytest.approx([0.55 + 1.0 + 0.35] * 2)
 
 
+def test_a_frontend_turn_that_only_fails_requests_pays_its_turn_too() -> None:
+    """The runtime counts a loop pass whose timeout scan fails a request as a working pass: at request 0's 10 ms
+    deadline the frontend's turn fails it and takes its 1 ms, so request 1, arriving 0.5 ms later, is admitted at
+    11 ms, not at once."""
+    cal = free(frontend_us_per_turn=1000.0)
+    r = simulate(chain([50.0], cal, policy=ServePolicy(spin_us=0.0, request_timeout_s=0.01)), np.array([0.0, 0.0105]))
+    assert r.status[0] == STATUS_TIMEOUT
+    assert r.admit_s[1] * 1e3 == pytest.approx(11.0, abs=1e-6)
+
+
 def test_the_hop_log_counts_a_turn_that_waited_for_a_core_as_that_wait() -> None:
     """Of two messages that reach replicas sharing one core at once, one is taken at once and the other when the
     first replica's 0.5 ms batch ends: its way is that wait for a core, not a hop or the receiver's own work."""

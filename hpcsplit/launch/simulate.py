@@ -27,6 +27,7 @@ that counts is the plain prediction's.
 
 from __future__ import annotations
 
+import calendar
 import csv
 import dataclasses
 import hashlib
@@ -538,12 +539,41 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         table = format_compare(rows)
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
         result.update(compare=rows, compare_table=table)
+        age = calibration_age_min(cal, paths.bench_summary)
+        if age is not None:
+            result["calibration_age_min"] = age
+            print(calibration_age_note(age), flush=True)
     try:
         result["plots"] = _plot(out, pred, bench[1] if bench else [], sched.arrival, result.get("compare") or [])
     except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the figures
         print(f"could not plot: {e}", flush=True)
     _refresh_summary(paths)
     return result
+
+
+def calibration_age_min(cal: Calibration, bench_summary: Path) -> float | None:
+    """Minutes from the calibration's making (``created_utc``, when its fit was written) to the bench's end (its
+    ``summary.csv``, written when it ended), negative when the calibration came after; None when either is not
+    known (the defaults, an unreadable file)."""
+    if not cal.measured:
+        return None
+    try:
+        made = calendar.timegm(time.strptime(cal.created_utc, "%Y-%m-%dT%H:%M:%SZ"))
+        ended = bench_summary.stat().st_mtime
+    except (ValueError, OSError, OverflowError):
+        return None
+    return (ended - made) / 60.0
+
+
+def calibration_age_note(age_min: float) -> str:
+    """One line on how far apart the calibration and the bench were: a shared machine's costs move with the hour
+    (docs/simulate.md, "Hops, traced": 2-4x on the development VM)."""
+    when = f"{age_min:.0f} min before the bench ended" if age_min >= 0 else f"{-age_min:.0f} min after the bench"
+    line = f"calibration: made {when}"
+    if abs(age_min) > 30:
+        line += ("; on a shared machine the costs move with the hour, so a calibration made beside the bench "
+                 "(python -m hpcsplit stage=calibrate, then the bench) predicts it better")
+    return line
 
 
 def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph,

@@ -302,3 +302,30 @@ def test_a_level_simulated_at_its_speed_moves_with_it_and_is_judged_on_its_own(t
     files = _plot(tmp_path, pred, measured, "poisson", rows)  # the level at its speed drawn beside the rest
     assert [Path(f).name for f in files] == ["latency_vs_qps.png", "throughput_vs_qps.png"]
     assert all(Path(f).stat().st_size > 0 for f in files)
+
+
+def test_simulate_says_how_far_apart_the_calibration_and_the_bench_were(tmp_path: Path) -> None:
+    """A shared machine's costs move with the hour: the comparison says when the calibration was made against the
+    bench's end (its summary.csv written), and what to do when they are far apart; none for the defaults."""
+    import calendar
+    import dataclasses
+    import os
+    import time
+
+    from hpcsplit.core.calibration import Calibration
+    from hpcsplit.launch.simulate import calibration_age_min, calibration_age_note
+
+    rec = tmp_path / "summary.csv"
+    rec.write_text("variant\n")
+    made = calendar.timegm(time.strptime("2026-12-07T02:00:00Z", "%Y-%m-%dT%H:%M:%SZ"))
+    cal = dataclasses.replace(_cal(0.3), source="measured", created_utc="2026-12-07T02:00:00Z")
+    os.utime(rec, (made + 12 * 60, made + 12 * 60))
+    assert calibration_age_min(cal, rec) == pytest.approx(12.0)
+    assert calibration_age_note(12.0) == "calibration: made 12 min before the bench ended"
+    os.utime(rec, (made + 90 * 60, made + 90 * 60))
+    note = calibration_age_note(calibration_age_min(cal, rec) or 0.0)
+    assert note.startswith("calibration: made 90 min before the bench ended;") and "stage=calibrate" in note
+    assert calibration_age_note(-5.0) == "calibration: made 5 min after the bench"
+    assert calibration_age_min(Calibration.defaults(), rec) is None
+    assert calibration_age_min(dataclasses.replace(cal, created_utc="yesterday"), rec) is None
+    assert calibration_age_min(cal, tmp_path / "none.json") is None

@@ -54,10 +54,8 @@ if [[ ${PERF:-0} == 1 ]]; then  # perf_analyzer for scripts/device-cpu-check.sh:
     mkdir -p "$WHEELS/perf"
     cp "$(dirname "$pa")/perf_analyzer" "$WHEELS/perf/perf_analyzer"
     strip "$WHEELS/perf/perf_analyzer" 2>/dev/null || true
-    for lib in libb64.so.0d libcudart.so.12; do
-        cp -L "$(LD_LIBRARY_PATH=$(sed -n 's/^LD_LIBRARY_PATH="\([^$]*\)\$.*/\1/p' "$pa") ldd "$WHEELS/perf/perf_analyzer" \
-            | awk -v l="$lib" '$1 == l {print $3}')" "$WHEELS/perf/$lib"
-    done
+    cp -L "$(ldconfig -p | awk '$1 == "libb64.so.0d" {print $NF; exit}')" "$WHEELS/perf/"  # (Debian's libb64-0d)
+    cp -L "$(find "$(dirname "$pa")/.." -name libcudart.so.12 | head -n 1)" "$WHEELS/perf/"  # (its venv's nvidia wheel)
 fi
 n=$(find "$WHEELS" -name '*.whl' | wc -l)
 echo "device-wheels: $n wheels for CPython $PYVER in $WHEELS ($(du -sh "$WHEELS" | cut -f1)): ${pins[*]}"

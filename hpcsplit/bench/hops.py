@@ -53,7 +53,7 @@ from hpcsplit.core.calibration import Calibration, load_calibration
 from hpcsplit.errors import HpcsplitError
 from hpcsplit.launch.simulate import simulated_hops
 
-__all__ = ["Hop", "main", "read_trace", "trace_hops"]
+__all__ = ["Hop", "main", "read_trace", "read_traces", "trace_hops"]
 
 MAX_TRACE_BYTES = 256 << 20  # per rank file
 _RANK_FILE = re.compile(r"rank(0|[1-9]\d{0,5})\.json")  # as the tracer names them
@@ -149,20 +149,28 @@ def read_trace(path: str | Path) -> tuple[str, str | None, list[Span]]:
     return label, host, spans
 
 
-def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[str]]:
-    """Every hop of the traced requests (see the module's docstring), the ranks' labels, and notes (edges
-    left out, spans whose request lists the tracer cut)."""
+Traces = dict[int, tuple[str, str | None, list[Span]]]  # rank -> (label, host, spans), as read_trace gives them
+
+
+def read_traces(trace_dir: str | Path) -> Traces:
+    """Every rank's trace file in ``trace_dir`` (:func:`read_trace`), by rank."""
     d = Path(trace_dir)
     files = sorted((int(m.group(1)), f) for f in d.glob("rank*.json") if (m := _RANK_FILE.fullmatch(f.name)))
     if not files:
         raise HpcsplitError(f"no rank<r>.json trace files in {d}; run stage=bench (or serve) with "
                             "runtime.trace.start_step=N runtime.trace.end_step=M, then pass its run folder")
+    return {rank: read_trace(f) for rank, f in files}
+
+
+def trace_hops(trace_dir: str | Path, traces: Traces | None = None) -> tuple[list[Hop], dict[int, str], list[str]]:
+    """Every hop of the traced requests (see the module's docstring), the ranks' labels, and notes (edges
+    left out, spans whose request lists the tracer cut); ``traces``: the folder's files, already read."""
     labels: dict[int, str] = {}
     hosts: dict[int, str | None] = {}
     spans: dict[int, list[Span]] = {}
     cut = 0
-    for rank, f in files:
-        labels[rank], hosts[rank], ss = read_trace(f)
+    for rank, (label, host, ss) in (traces if traces is not None else read_traces(trace_dir)).items():
+        labels[rank], hosts[rank] = label, host
         spans[rank] = [x for x in ss if x.name in _WORK]
         cut += sum(x.n > len(x.requests) for x in spans[rank])
     sends: dict[tuple[int, int], Span] = {}  # (rank, request) -> its first send span holding the request
@@ -201,24 +209,21 @@ def trace_hops(trace_dir: str | Path) -> tuple[list[Hop], dict[int, str], list[s
     return hops, labels, notes
 
 
-def span_rows(trace_dir: str | Path, keep: set[int] | None = None) -> list[dict[str, Any]]:
+def span_rows(trace_dir: str | Path, keep: set[int] | None = None, traces: Traces | None = None) -> list[dict[str, Any]]:
     """Per rank and kind of span that carries its CPU (``cpu_us``: sends and compute), medians of its wall time,
     its thread's CPU and the difference, the time the rank waited inside the span (for a core, mostly, where
     one-thread CPU ranks share a node's cores; on a GPU, or with torch's other threads, compute is not the thread's
-    CPU); spans of the requests in ``keep`` only, when given (microseconds)."""
+    CPU); spans of the requests in ``keep`` only, when given (microseconds); ``traces``: the folder's files, already
+    read."""
     rows = []
-    for f in sorted(Path(trace_dir).glob("rank*.json")):
-        m = _RANK_FILE.fullmatch(f.name)
-        if m is None:
-            continue
-        label, _, spans = read_trace(f)
+    for rank, (label, _, spans) in (traces if traces is not None else read_traces(trace_dir)).items():
         by: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for x in spans:
             if x.cpu_us is not None and (keep is None or any(q in keep for q in x.requests)):
                 by[x.name].append((x.end_us - x.start_us, x.cpu_us))
         for name, v in sorted(by.items()):
             a = np.array(v)
-            rows.append({"rank": int(m.group(1)), "label": label, "span": name, "n": len(v),
+            rows.append({"rank": rank, "label": label, "span": name, "n": len(v),
                          "wall_p50_us": float(np.median(a[:, 0])), "cpu_p50_us": float(np.median(a[:, 1])),
                          "waited_p50_us": float(np.median(np.maximum(0.0, a[:, 0] - a[:, 1]))),
                          "waited_p90_us": float(np.quantile(np.maximum(0.0, a[:, 0] - a[:, 1]), 0.9))})
@@ -404,7 +409,8 @@ def main(argv: list[str]) -> int:
         cfg = _bench_cfg(run)
         cal_path = args.calibration or _run_calibration(run, cfg)
         cal = load_calibration(cal_path) if cal_path else None
-        hops, labels, notes = trace_hops(trace_dir)
+        traces = read_traces(trace_dir)
+        hops, labels, notes = trace_hops(trace_dir, traces)
         what, keep = "", None
         if args.variant:
             keep = bench_requests(run, args.variant, args.qps)
@@ -435,7 +441,7 @@ def main(argv: list[str]) -> int:
               + ("; way: busy + hop, measured; sim way: the simulated send to taken, and its parts: s.busy the wait "
                  "for the receiver's work, s.hop the hop delay of a sleeping receiver, s.core the wait for a core "
                  "(medians: the parts need not add up to the way)" if sim else ""))
-        spans = span_rows(trace_dir, keep)
+        spans = span_rows(trace_dir, keep, traces)
         if spans:
             print(f"\n# the ranks' own spans{what}: wall time against the thread's CPU (waited: inside the span, not "
                   "on the CPU; for a core, mostly, where one-thread CPU ranks share cores; a GPU's work and torch's "

@@ -26,7 +26,10 @@ documents) and says so (``source == "defaults"``).
 - ``compute``: GFLOP/s of a fixed matmul set per thread count, and ``corun_slowdown[k-1]``: how much
   slower each of ``k`` ranks computing at once on one node runs than one alone;
 - ``programs`` (optional): per exported program of one switchboard (``switchboard_sha256``), its batch-1
-  time back to back and its extra time after idle gaps (:class:`ProgramCal`).
+  time back to back, its extra time after idle gaps, and (optional, 0 when absent) the extra of a rank's turn
+  with it after the core's caches were evicted (:class:`ProgramCal`); ``cpu.evicted_us_per_turn`` (optional)
+  the same for a turn that only takes and sends a small message (``[Note: evicted caches]`` in
+  :mod:`hpcsplit.launch.calibrate_run`).
 
 The file is untrusted input: :func:`load_calibration` reads at most 1 MiB of JSON (no code, nothing outside
 the file), checks every key and value and raises :class:`~hpcsplit.errors.CalibrationError` naming every
@@ -130,13 +133,15 @@ class Link:
 
 @dataclass(frozen=True, slots=True)
 class ProgramCal:
-    """One exported program (a component or ``whole``): batch-1 ms back to back, extra ms after idle gaps."""
+    """One exported program (a component or ``whole``): batch-1 ms back to back, extra ms after idle gaps, and the
+    extra ms of a rank's whole turn with it (receive, program, send) after its core's caches were evicted."""
 
     batch1_ms: float
     cold: Curve
+    evicted_ms: float = 0.0  # (files written before it have none: 0)
 
     def to_json(self) -> dict[str, Any]:
-        return {"batch1_ms": self.batch1_ms, "cold": self.cold.to_json()}
+        return {"batch1_ms": self.batch1_ms, "cold": self.cold.to_json(), "evicted_ms": self.evicted_ms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +174,7 @@ class Calibration:
     notes: tuple[str, ...] = ()
     idle_cpu: Curve = field(default_factory=lambda: Curve.constant(0.0))  # CPU ms of an idle gap, its spin included
     frontend_us_per_turn: float = 0.0  # CPU of a frontend loop pass that does work, beyond its requests and messages
+    evicted_us_per_turn: float = 0.0  # extra CPU of a messaging turn after the core's caches were evicted
 
     # ------------------------------------------------------------------ the readers' figures
     @classmethod
@@ -260,6 +266,7 @@ class Calibration:
             "cpu": {"frontend_us_per_request": self.frontend_us_per_request,
                     "frontend_us_per_message": self.frontend_us_per_message,
                     "frontend_us_per_turn": self.frontend_us_per_turn,
+                    "evicted_us_per_turn": self.evicted_us_per_turn,
                     "component_us_per_message": self.component_us_per_message,
                     "component_us_per_request": self.component_us_per_request},
             "compute": {"gflops": {str(k): v for k, v in sorted(self.compute_gflops.items())},
@@ -448,9 +455,9 @@ class _Reader:
         if kind not in ("cpu", "cuda"):
             self.bad("device_kind", kind, "'cpu' or 'cuda'")
         cpu = self.keys(d.get("cpu"), "cpu", ("frontend_us_per_request", "frontend_us_per_message",
-                                              "frontend_us_per_turn", "component_us_per_message",
-                                              "component_us_per_request"),
-                        optional=("frontend_us_per_turn",))  # (files written before it have none: 0)
+                                              "frontend_us_per_turn", "evicted_us_per_turn",
+                                              "component_us_per_message", "component_us_per_request"),
+                        optional=("frontend_us_per_turn", "evicted_us_per_turn"))  # (older files have none: 0)
         comp = self.keys(d.get("compute"), "compute", ("gflops", "corun_slowdown"))
         gfl = comp.get("gflops")
         gflops: dict[int, float] = {}
@@ -479,9 +486,10 @@ class _Reader:
                 items = {}
             for name, pv in items.items():
                 w = f"programs[{name!r}]"
-                pv = self.keys(pv, w, ("batch1_ms", "cold"))
-                progs[self.text(name, f"{w} name")] = ProgramCal(self.num(pv.get("batch1_ms"), f"{w}.batch1_ms"),
-                                                                 self.curve(pv.get("cold"), f"{w}.cold"))
+                pv = self.keys(pv, w, ("batch1_ms", "cold", "evicted_ms"), optional=("evicted_ms",))
+                progs[self.text(name, f"{w} name")] = ProgramCal(
+                    self.num(pv.get("batch1_ms"), f"{w}.batch1_ms"), self.curve(pv.get("cold"), f"{w}.cold"),
+                    self.num(pv["evicted_ms"], f"{w}.evicted_ms") if "evicted_ms" in pv else 0.0)
         notes = d.get("notes", [])
         if not isinstance(notes, list) or len(notes) > 100:
             self.bad("notes", notes, "a list of at most 100 strings")
@@ -517,5 +525,7 @@ class _Reader:
             idle_cpu=self.curve(d["idle_cpu"], "idle_cpu") if "idle_cpu" in d else Curve.constant(0.0),
             frontend_us_per_turn=(self.num(cpu["frontend_us_per_turn"], "cpu.frontend_us_per_turn", 0, 1e6)
                                   if "frontend_us_per_turn" in cpu else 0.0),
+            evicted_us_per_turn=(self.num(cpu["evicted_us_per_turn"], "cpu.evicted_us_per_turn", 0, 1e6)
+                                 if "evicted_us_per_turn" in cpu else 0.0),
         )
         return cal

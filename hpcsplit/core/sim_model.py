@@ -209,14 +209,17 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
         sigma = max(t[1] for t in tables)
         own = calibration.program(n, switchboard_sha256)
         progs = [calibration.program(m, switchboard_sha256) for m in members[n]]
+        # a turn after an eviction: the program's measured turn, else a messaging turn's ([Note: evicted caches])
+        evicted = calibration.evicted_us_per_turn / 1e3
         if own is not None:
-            cold = own.cold
+            cold, evicted = own.cold, own.evicted_ms or evicted
         elif all(p is not None for p in progs):
             cold = _sum_curves([p.cold for p in progs if p is not None])
+            evicted = sum(p.evicted_ms for p in progs if p is not None) or evicted
         else:
             cold = _sum_curves([calibration.compute_cold] * len(members[n]))
         ranks.append(SimRank(r.rank, r.node, index[n], r.batch_size, r.threads,
-                             float(r.slice_gb or r.threads or 0), lat, sigma, cold))
+                             float(r.slice_gb or r.threads or 0), lat, sigma, cold, evicted))
     cores: tuple[float, ...] = ()
     if cpu:
         c = float(cores_per_node or calibration.cores_per_node or 1)

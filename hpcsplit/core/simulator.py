@@ -65,6 +65,16 @@ its spin's 0.05.  At 2,048 req/s through the toy's seven ranks on two cores the 
 (0.9 ms of CPU per request for 0.11 ms of compute); charging the wake-ups raised the simulated p50 there by
 2-20 %, a part of what it missed (docs/simulate.md, "Measured").
 
+Evicted caches (``[Note: evicted caches]`` in :mod:`hpcsplit.launch.calibrate_run`): on a node with more ranks than
+cores, every rank's job (a frontend turn, a batch) marks the node's other ranks evicted; an evicted rank's next
+batch pays at least the program's calibrated turn after an eviction (``ProgramCal.evicted_ms``) in place of its
+cold extra after the idle gap (the larger of the two), and an evicted frontend's next working turn at least
+``cpu.evicted_us_per_turn``.  A rank with a core of its own (a GPU plan, or no more ranks than cores) never pays
+it.  On the development VM at 2,048 req/s the toy's programs took 91-142 us of CPU in the run against 13-56 us
+back to back; the calibrated turns after a peer's on the same core took 76-211 us more than warm.  Against one
+bench, with the calibration made just before it, the split's predicted p50 went from 18-46 % low to 7-25 % low
+at 256 to 6,000 req/s (``docs/simulate.md``, "Evicted caches").
+
 The batching rule is checked against the runtime's code on the same trace (``tests/unit/test_simulator.py``
 replays every turn through ``runtime.batching.Batcher``).  Deterministic: the same system, schedule and seed give the same result.
 """
@@ -133,6 +143,7 @@ class SimRank:
     latency_ms: tuple[float, ...] = ()  # [b - 1]: compute of a batch of b
     sigma: float = 0.0  # lognormal spread of one batch's compute
     cold: Curve = field(default_factory=lambda: Curve.constant(0.0))  # extra ms of a batch after an idle gap
+    evicted_ms: float = 0.0  # extra ms of a turn with a batch after the core's caches were evicted ([Note: evicted caches])
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +317,12 @@ class _Sim:
         self._fe_cold = cal.compute_cold
         self.due_armed = False  # a _DUE event (the oldest request's deadline) is in the heap
         self.idle_seg = self._idle_segments(cal, self.spin_s) if self.shared else ()
+        # [Note: evicted caches]: on a node with more ranks than cores, a rank's turn after another rank's work runs
+        # cold (its turn's extra: the program's, or a messaging turn's for the frontend)
+        self.crowded = [self.shared and len(self.node_ranks[k]) > self.slots[k] for k in range(nodes)]
+        self.evicted = [False] * n
+        self.ev_s = [r.evicted_ms / 1e3 for r in s.ranks]
+        self.ev_s[0] = cal.evicted_us_per_turn / 1e6
 
     @staticmethod
     def _idle_segments(cal: Calibration, spin_s: float) -> tuple[tuple[float, float], ...]:
@@ -376,6 +393,11 @@ class _Sim:
     def start_job(self, r: int, now: float, work: float, what: Any) -> None:
         self.state[r] = _BUSY
         self.job[r] = (now, what)
+        node = self.node[r]
+        if self.crowded[node]:  # its work pushes the others' out of the caches ([Note: evicted caches])
+            ev = self.evicted
+            for o in self.node_ranks[node]:
+                ev[o] = o != r
         if not self.shared:
             self.jv[r] += 1
             self.push(now + work, _DONE, r, self.jv[r])
@@ -727,6 +749,8 @@ class _Sim:
                 n_late += 1
         # the frontend's Python and torch calls after a sleep run cold, as a small program does (compute_cold)
         cold = self._fe_cold.at((t - self.last[0]) * 1e3) / 1e3 if self.wk[0] != _OWN else 0.0
+        if self.evicted[0] and (n_adm or n_in or n_late):
+            cold = max(cold, self.ev_s[0])
         self.wk[0] = _OWN
         # (a turn that admits, takes or fails something is a working pass of the runtime's loop: it pays its own CPU)
         work = (self.fe_req * n_adm + self.fe_msg * (n_in + len(out)) + cold
@@ -815,7 +839,8 @@ class _Sim:
             sig = self.sigma[r]
             if sig > 0:
                 comp *= math.exp(sig * self.noise())
-            comp += self.cold[r].at((t - self.ran[r]) * 1e3) / 1e3  # since the program last ran
+            cold = self.cold[r].at((t - self.ran[r]) * 1e3) / 1e3  # since the program last ran
+            comp += max(cold, self.ev_s[r]) if self.evicted[r] else cold
             sends = self.outputs(c, ids)
             work = comp + self.c_msg * (n_in + self.owed[r] + len(sends)) + self.c_req * b
             self.owed[r] = 0

@@ -24,6 +24,10 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
   answer, so successive answers differ by the CPU of one request and the idle time before it; the median of
   those differences at a gap less their median back to back (the smallest stream) is the CPU of an idle gap,
   against the replica's idle time (0 at least, increasing);
+- **evicted caches** (``[Note: evicted caches]``): a turn straight after another rank's turn on the same core less
+  the warm turn straight after it, the pairs' median (at least 0): per program (``ProgramCal.evicted_ms``: take a
+  message, the program, send its outputs) and for a turn with no program (``cpu.evicted_us_per_turn``); 0 where
+  the job could not pin two ranks to one core, and for an older job's figures;
 - **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
   ``k`` ranks computing at once; cold extras = the median, over runs after a gap, of the run less the warm run
   straight after it (``[Note: cold extra in pairs]``; an older job's figures: median after the gap less median
@@ -183,6 +187,16 @@ def _cold(b2b: Sequence[float], after: Mapping[str, Sequence[float]],
     return _increasing(pts)
 
 
+def _evicted(v: Mapping[str, Any] | None) -> float:
+    """ms a turn costs straight after another rank's turn on its core beyond the warm turn straight after it (the
+    pairs' median, at least 0; 0 for an older job's figures, which have none: ``[Note: evicted caches]``)."""
+    c, w = (v or {}).get("evicted_ms") or [], (v or {}).get("warm_ms") or []
+    if not c or len(c) != len(w):
+        return 0.0
+    x = _med([a - b for a, b in zip(c, w, strict=True)])
+    return max(0.0, x) if math.isfinite(x) else 0.0
+
+
 def fit(raw: Mapping[str, Any]) -> Calibration:
     """``[Note: calibration fit]``: the raw figures of one calibration job as a :class:`Calibration`."""
     chains = raw.get("chains", {})
@@ -216,11 +230,13 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
             else Curve.constant(0.0))
     progs: dict[str, ProgramCal] = {}
     sha = None
+    shared = raw.get("shared_core") or {}
     praw = raw.get("programs")
     if praw:
         sha = praw.get("switchboard_sha256")
         for name, v in praw["programs"].items():
-            progs[name] = ProgramCal(_med(v["b2b_ms"]), _cold(v["b2b_ms"], v["after_ms"], v.get("warm_ms")))
+            progs[name] = ProgramCal(_med(v["b2b_ms"]), _cold(v["b2b_ms"], v["after_ms"], v.get("warm_ms")),
+                                     _evicted((shared.get("programs") or {}).get(name)))
     hosts = tuple(dict.fromkeys(str(h) for h in raw.get("hosts", ())))
     return Calibration(
         source="measured", created_utc=utc_now(), hpcsplit_version=__version__, cluster=str(raw.get("cluster", "")),
@@ -228,7 +244,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         device_kind="cpu", hop=_increasing(hop), hop_p90=_increasing(p90), frontend_timer=_increasing(timer),
         compute_cold=cold, same_node=same, cross_node=cross_link, cross_extra=cross_extra,
         frontend_us_per_request=c * 1e6, frontend_us_per_message=d * 1e6,
-        frontend_us_per_turn=per_turn * 1e6,
+        frontend_us_per_turn=per_turn * 1e6, evicted_us_per_turn=_evicted(shared.get("turn")) * 1e3,
         component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
         compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
         notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",), idle_cpu=idle_cpu,

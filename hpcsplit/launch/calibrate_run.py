@@ -23,7 +23,10 @@ each chain the components run the runtime's own loop (``serve_component``) on ``
    node at once for one second each (``corun_slowdown``); a small program (Linear 64 -> 256, ReLU, batch 1)
    back to back and after each idle gap (``compute_cold``);
 5. **programs** (``calibrate.programs`` and a switchboard in the run folder or ``switchboard=PATH``): each
-   component and the whole model at batch 1, back to back and after ``program_gaps_ms`` idle.
+   component and the whole model at batch 1, back to back and after ``program_gaps_ms`` idle;
+6. **shared core** (``[Note: evicted caches]``): rank 0 and the first other rank of its node pinned to one core;
+   a rank's turn (take a message, a program, send its outputs; no program: the frontend's turn) straight after
+   the other rank's turn there, against the same turn warm.
 
 After an idle gap (4 and 5) a program's inputs are received first, through the runtime's receive code, and only the
 program is timed (``[Note: cold extra after a receive]``).
@@ -37,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import socket
 import time
 from typing import Any
@@ -269,23 +273,167 @@ class _Job:
     def _runs(self, gap_ms: float, want: int) -> int:
         return max(3, min(want, int(self.s.max_gap_time_s * 1e3 / gap_ms)))
 
-    def programs(self, paths: RunPaths) -> dict[str, Any] | None:
+    def work(self, paths: RunPaths) -> tuple[str | None, list[tuple[str, Any, tuple[torch.Tensor, ...]]]]:
+        """(the switchboard's sha256, [(name, program, batch-1 inputs)] of each component and the whole model); (None,
+        []) without ``calibrate.programs`` or a switchboard."""
         if not self.s.programs or not (paths.switchboard / "layout.json").is_file():
-            return None
+            return None, []
         sb = Switchboard.load(paths.switchboard)
         acts = sb.component_example_inputs(1)
+        return sb.sha256, [(name, sb.load_whole() if name == "whole" else sb.load_component(name),
+                            tuple(sb.example_inputs(1)) if name == "whole" else tuple(acts[name]))
+                           for name in (*sb.order, "whole")]
+
+    def programs(self, sha: str | None, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> dict[str, Any] | None:
+        if sha is None:
+            return None
         progs: dict[str, Any] = {}
         with torch.inference_mode():
-            for name in (*sb.order, "whole"):
-                fn = sb.load_whole() if name == "whole" else sb.load_component(name)
-                args = tuple(sb.example_inputs(1)) if name == "whole" else tuple(acts[name])
+            for name, fn, args in work:
                 b2b = time_latency_ms(fn, args, warmup=2, iters=self.s.program_runs + 2)  # as the profile times it
                 after = {str(g): _times(fn, args, self.s.program_runs, g / 1e3) for g in self.s.program_gaps_ms}
                 progs[name] = {"b2b_ms": b2b, **_pairs(after)}
                 say(0, f"calibration: program {name!r}: batch 1 back to back p50 {np.median(b2b):.3f} ms, after "
                        + ", ".join(f"{g} ms idle {np.median(c):.3f} ({np.median(np.subtract(c, w)):+.3f} over the "
                                    "warm run after it)" for g, (c, w) in after.items()))
-        return {"switchboard_sha256": sb.sha256, "programs": progs}
+        return {"switchboard_sha256": sha, "programs": progs}
+
+
+SHARED_CORE_TAG = 7201  # the shared-core step's control message (which program; rank 0 -> its peer)
+
+
+def _take_one(inbox: Inbox) -> Any:
+    """The one message this rank sent itself (``_times``, ``_SharedCore``), within 30 s."""
+    deadline = time.perf_counter() + 30.0
+    got = inbox.poll()
+    while not got:
+        if time.perf_counter() > deadline:
+            raise CalibrationError("calibration: a message this rank sent itself did not arrive in 30 s")
+        got = inbox.poll()
+    if len(got) != 1:
+        raise CalibrationError(f"calibration: {len(got)} messages where this rank sent itself one")
+    return got[0][0]
+
+
+def _outputs(out: Any) -> list[torch.Tensor]:
+    return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+
+
+class _SharedCore:
+    """The shared-core step (``[Note: evicted caches]``): rank 0 and a peer on its node pinned to one core.
+
+    [Note: evicted caches]
+    On a node with more ranks than cores, the ranks take turns on each core, and each one's turn (its Python,
+    torch and MPI work on its own data) pushes the others' out of the core's caches.  A rank's next turn then
+    runs cold, whatever its idle gap: in a traced bench of the toy at 2,048 req/s on the 2-core development VM
+    (seven ranks), the programs' spans took 91-142 us of CPU against 13-56 us back to back, and each send 37-56
+    us against about 20.  So the calibration measures it where it happens: rank 0 and a peer of its node are
+    pinned to one core (``os.sched_setaffinity``), and for each program (and for a turn with none, the
+    frontend's) rank 0 times a rank's turn (take a message, the program on its tensors, send the outputs; to
+    itself, on a communicator of its own) straight after the peer ran the same turn of its own on that core,
+    then the same turn again at once (warm).  The fit takes the median of the pairs' differences (``[Note: cold
+    extra in pairs]``); the simulator charges it to a rank's batch when another rank of its crowded node has
+    worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
+    by writing twice the L2 in this process; that took the toy's turns 170-420 us, about twice what the bench
+    showed: another rank shares this rank's code (the same libraries' pages), and only its data pushes ours out.
+    """
+
+    def __init__(self, comm: Any, peer: int, runs: int) -> None:
+        self.comm, self.peer, self.runs = comm, peer, runs
+        self.x = torch.zeros(1, 8)
+
+    @staticmethod
+    def pin() -> tuple[set[int], int] | None:
+        """Pin this process to the lowest core it may use; (the cores it had, that core), or None where it cannot."""
+        try:
+            had = set(os.sched_getaffinity(0))
+            core = min(had)
+            os.sched_setaffinity(0, {core})
+        except (AttributeError, OSError, ValueError):
+            return None
+        return had, core
+
+    @staticmethod
+    def unpin(had: set[int]) -> None:
+        try:
+            os.sched_setaffinity(0, had)
+        except OSError:  # pragma: no cover - the cores it had are gone
+            pass
+
+    def lead(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> dict[str, Any] | None:
+        """Rank 0: per program, ``runs`` pairs of (turn after the peer's turn on this core, warm turn) in ms."""
+        comm, peer = self.comm, self.peer
+        pinned = self.pin()
+        comm.send(None if pinned is None else pinned[1], dest=peer, tag=SHARED_CORE_TAG)
+        if pinned is None:
+            say(0, "calibration: could not pin this rank to one core (os.sched_setaffinity): no shared-core figures")
+            return None
+        if not comm.recv(source=peer, tag=SHARED_CORE_TAG):  # the peer may not run on that core (a cpu binding)
+            self.unpin(pinned[0])
+            say(0, f"calibration: rank {peer} cannot run on core {pinned[1]} (its CPU binding): no shared-core figures")
+            return None
+        selfc = MPI.COMM_SELF.Dup()
+        inbox = Inbox(selfc)
+        out: dict[str, Any] = {"core": pinned[1], "programs": {}}
+        try:
+            for i, (name, fn, args) in enumerate(work):
+                cold: list[float] = []
+                warm: list[float] = []
+                for _ in range(self.runs):
+                    for into in (cold, warm):
+                        h_in = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
+                        if into is cold:  # the peer's turn on this core, then this rank's
+                            tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=i)
+                            deadline = time.perf_counter() + 30.0
+                            while not comm.Iprobe(source=peer, tag=tp.TAG_HEADER):
+                                if time.perf_counter() > deadline:
+                                    raise CalibrationError(f"calibration: rank {peer} did not answer within 30 s on "
+                                                           f"the core it shares with rank 0; is it stopped or dead?")
+                                time.sleep(20e-6)  # (asleep: the core is the peer's)
+                        t0 = time.perf_counter()
+                        msg = _take_one(inbox)
+                        h = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (),
+                                             list(enumerate(_outputs(msg.tensors if fn is None else fn(*msg.tensors)))))
+                        into.append((time.perf_counter() - t0) * 1e3)
+                        _take_one(inbox)  # the outputs, untimed
+                        h.wait()
+                        h_in.wait()
+                        if into is cold:
+                            tp.recv_message(comm, source=peer, timeout_s=30.0)  # the peer's answer
+                pairs = {"evicted_ms": cold, "warm_ms": warm}
+                if fn is None:  # the turn with no program: the frontend's
+                    out["turn"] = pairs
+                else:
+                    out["programs"][name] = pairs
+        finally:
+            tp.send_message(comm, peer, tp.KIND_STOP)
+            selfc.Free()
+            self.unpin(pinned[0])
+        return out
+
+    def follow(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> None:
+        """The peer: pinned to rank 0's core, it runs a turn of program ``aux`` each time rank 0 asks, until STOP."""
+        comm = self.comm
+        core = comm.recv(source=0, tag=SHARED_CORE_TAG)
+        if core is None:
+            return
+        try:
+            had = set(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {core})
+        except (AttributeError, OSError, ValueError):
+            comm.send(False, dest=0, tag=SHARED_CORE_TAG)
+            return
+        comm.send(True, dest=0, tag=SHARED_CORE_TAG)
+        try:
+            while True:
+                m = tp.recv_message(comm, source=0, timeout_s=300.0, spin_s=0.0)
+                if m.header.kind == tp.KIND_STOP:
+                    return
+                _name, fn, args = work[m.header.aux]
+                o = _outputs(args if fn is None else fn(*args))
+                tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), list(enumerate(o)))
+        finally:
+            self.unpin(had)
 
 
 def _stamped(x: torch.Tensor) -> torch.Tensor:
@@ -336,17 +484,9 @@ def _times(fn: Any, args: tuple[torch.Tensor, ...], n: int, sleep_s: float) -> t
         for _ in range(n):
             h = tp.isend_message(comm, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
             time.sleep(sleep_s)
-            deadline = time.perf_counter() + 30.0
-            got = inbox.poll()
-            while not got:
-                if time.perf_counter() > deadline:
-                    raise CalibrationError("calibration: a message this rank sent itself did not arrive in 30 s")
-                got = inbox.poll()
-            if len(got) != 1:
-                raise CalibrationError(f"calibration: {len(got)} messages where this rank sent itself one")
+            ts = _take_one(inbox).tensors
             h.wait()
             h = None
-            ts = got[0][0].tensors
             for into in (cold, warm):
                 t0 = time.perf_counter()
                 fn(*ts)
@@ -400,10 +540,21 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
         if rank == 0:
             rates[str(k)] = [float(v) for v in got if v is not None]
     job.wait("small program")
+    peer = job.same[0]
+    sha, work = job.work(paths) if rank in (0, peer) else (None, [])
     if rank == 0:
         job.raw["corun_gflops"] = rates
         job.raw["small"] = job.small_cold()
-        job.raw["programs"] = job.programs(paths)
+        job.raw["programs"] = job.programs(sha, work)
+    job.wait("shared core")  # [Note: evicted caches]
+    if rank in (0, peer):
+        sc = _SharedCore(comm, peer, s.program_runs)
+        turns = [("turn", None, (torch.zeros(1, 8),)), *work]
+        with torch.inference_mode():
+            if rank == 0:
+                job.raw["shared_core"] = sc.lead(turns)
+            else:
+                sc.follow(turns)
     job.wait("programs")
     comp = comm.gather(job.raw["chains"], root=0)
     if db is not None:

@@ -51,4 +51,10 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
     # an idle gap costs CPU (at least the spin after work), more the longer it is
     idle = cal.idle_cpu
     assert idle.at(20.0) > 0 and all(b >= a for a, b in zip(idle.values_ms, idle.values_ms[1:], strict=False))
+    # [Note: evicted caches]: rank 0 and a peer pinned to one of rank 0's cores; a turn after the peer's, and warm
+    shared = raw["shared_core"]
+    assert shared["core"] in os.sched_getaffinity(0) and shared["programs"] == {}  # (no switchboard here)
+    pairs = shared["turn"]
+    assert len(pairs["evicted_ms"]) == len(pairs["warm_ms"]) >= 1 and min(pairs["warm_ms"]) > 0
+    assert cal.evicted_us_per_turn >= 0
     assert "calibration written to" in p.stderr

@@ -57,6 +57,24 @@ def test_a_file_written_before_the_frontends_cpu_per_turn_reads_it_as_zero(tmp_p
         load_calibration(_write(tmp_path, d))
 
 
+def test_a_file_written_before_the_evicted_turns_reads_them_as_zero(tmp_path: Path) -> None:
+    """[Note: evicted caches]: both figures are optional (older files have neither) and checked like the rest."""
+    cal = dataclasses.replace(measured(), evicted_us_per_turn=31.0,
+                              programs={"whole": ProgramCal(1.5, Curve.constant(0.0), 0.12)})
+    back = load_calibration(cal.save(tmp_path / "c.json"))
+    assert back.evicted_us_per_turn == 31.0 and back.programs["whole"].evicted_ms == 0.12
+    d = cal.to_json()
+    del d["cpu"]["evicted_us_per_turn"]
+    del d["programs"]["programs"]["whole"]["evicted_ms"]
+    old = load_calibration(_write(tmp_path, d))
+    assert old.evicted_us_per_turn == 0.0 and old.programs["whole"].evicted_ms == 0.0
+    d["cpu"]["evicted_us_per_turn"] = float("nan")
+    d["programs"]["programs"]["whole"]["evicted_ms"] = -0.5
+    with pytest.raises(CalibrationError, match=r"cpu.evicted_us_per_turn = nan") as e:
+        load_calibration(_write(tmp_path, d))
+    assert "programs['whole'].evicted_ms = -0.5" in str(e.value)
+
+
 def test_a_file_written_before_idle_cpu_reads_as_no_idle_cpu(tmp_path: Path) -> None:
     d = measured().to_json()
     del d["idle_cpu"]
@@ -238,6 +256,28 @@ def test_cold_extra_is_taken_in_pairs_so_a_drift_between_the_runs_cancels() -> N
     assert cal.programs["whole"].batch1_ms == pytest.approx(10.0, abs=0.2)  # the warm time: back to back
     del raw["small"]["warm_ms"]
     assert fit(raw).compute_cold.at(100.0) == pytest.approx(5.0, abs=0.3)  # 3 ms of drift taken for an extra
+
+
+def test_the_evicted_turns_are_the_pairs_median_extra_and_zero_where_the_job_could_not_pin() -> None:
+    """[Note: evicted caches]: each turn straight after the peer's turn on the same core is paired with the warm
+    turn after it; a drift between pairs cancels, a pair warmer than its cold turn counts as no extra, and a job
+    that could not pin two ranks to one core (``shared_core`` None), or an older job's figures, give 0."""
+    rng = np.random.default_rng(1)
+    warm = list(0.05 + np.linspace(0.0, 0.2, 21))  # the machine slows down over the runs
+    cold = [w + 0.09 + rng.normal(0, 0.003) for w in warm]
+    raw = _raw(0.5)
+    raw["programs"] = {"switchboard_sha256": "0" * 64,
+                       "programs": {"stem": {"b2b_ms": [0.05] * 5, "after_ms": {}, "warm_ms": {}}}}
+    raw["shared_core"] = {"core": 0, "turn": {"evicted_ms": [0.045] * 5, "warm_ms": [0.015] * 5},
+                          "programs": {"stem": {"evicted_ms": cold, "warm_ms": warm}}}
+    cal = fit(raw)
+    assert cal.programs["stem"].evicted_ms == pytest.approx(0.09, abs=0.005)
+    assert cal.evicted_us_per_turn == pytest.approx(30.0)
+    raw["shared_core"]["turn"] = {"evicted_ms": [0.01] * 5, "warm_ms": [0.02] * 5}
+    assert fit(raw).evicted_us_per_turn == 0.0  # never below 0
+    raw["shared_core"] = None
+    old = fit(raw)
+    assert old.evicted_us_per_turn == 0.0 and old.programs["stem"].evicted_ms == 0.0
 
 
 @pytest.mark.parametrize("over", [{"sizes_bytes": [float("inf")]}, {"sizes_bytes": [2**2000]},

@@ -402,6 +402,45 @@ def test_the_frontends_cpu_per_turn_is_paid_once_by_each_turn_that_admits_or_tak
     assert ((two.done_s - two.arrival_s) * 1e3).tolist() == pytest.approx([0.55 + 1.0 + 0.35] * 2)
 
 
+def _evicting(system: SimSystem, evicted_ms: float, cold_ms: float = 0.0) -> SimSystem:
+    return dataclasses.replace(system, ranks=tuple(
+        r if r.component < 0 else dataclasses.replace(r, evicted_ms=evicted_ms, cold=Curve.constant(cold_ms))
+        for r in system.ranks))
+
+
+def test_a_turn_after_another_ranks_work_on_a_crowded_node_pays_its_evicted_caches() -> None:
+    """[Note: evicted caches]: frontend, two 1 ms components, one request.  On one core (three ranks) each batch
+    follows another rank's work and pays its 0.2 ms evicted turn, and the frontend's answer turn its 0.1 ms (its
+    admission is the first work there is: nothing evicted it); the larger of the cold extra and the evicted turn
+    counts, not both.  With a core for each rank, or on GPUs, nothing is evicted."""
+    cal = free(evicted_us_per_turn=100.0)
+    quiet = ServePolicy(spin_us=0.0)
+
+    def latency(cores: tuple[float, ...], evicted_ms: float, cold_ms: float = 0.0) -> float:
+        r = simulate(_evicting(chain([1.0, 1.0], cal, cores=cores, policy=quiet), evicted_ms, cold_ms),
+                     np.array([0.0]))
+        return float((r.done_s - r.arrival_s)[0] * 1e3)
+
+    assert latency((1.0,), 0.2) == pytest.approx(2.0 + 0.2 + 0.2 + 0.1)
+    assert latency((1.0,), 0.2, cold_ms=0.5) == pytest.approx(2.0 + 0.5 + 0.5 + 0.1)  # the cold extra is larger
+    assert latency((1.0,), 0.2, cold_ms=0.1) == pytest.approx(2.0 + 0.2 + 0.2 + 0.1)
+    assert latency((3.0,), 0.2) == pytest.approx(2.0)  # a core for each rank
+    assert latency((), 0.2) == pytest.approx(2.0)  # GPU ranks: no shared cores
+
+
+def test_a_rank_that_worked_last_on_its_node_runs_its_next_batch_warm() -> None:
+    """Two requests 5 ms apart through one 1 ms component on one core, the frontend's turns free: each batch
+    follows the frontend's admission (evicted); with the frontend's cost of a turn 0 it still evicts.  A rank
+    whose batches come back to back, with no other rank's work between, pays nothing: two requests admitted
+    together, batch 1, the second batch straight after the first."""
+    quiet = ServePolicy(spin_us=0.0)
+    s = _evicting(chain([1.0], free(), cores=(1.0,), policy=quiet), 0.3)
+    r = simulate(s, np.array([0.0, 5.0e-3]))
+    assert ((r.done_s - r.arrival_s) * 1e3).tolist() == pytest.approx([1.3, 1.3])
+    r = simulate(s, np.array([0.0, 0.0]))
+    assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([1.3, 2.3])
+
+
 def test_a_frontend_turn_that_only_fails_requests_pays_its_turn_too() -> None:
     """The runtime counts a loop pass whose timeout scan fails a request as a working pass: at request 0's 10 ms
     deadline the frontend's turn fails it and takes its 1 ms, so request 1, arriving 0.5 ms later, is admitted at

@@ -330,8 +330,9 @@ class _SharedCore:
     us against about 20.  So the calibration measures it where it happens: rank 0 and a peer of its node are
     pinned to one core (``os.sched_setaffinity``), and for each program (and for a turn with none, the
     frontend's) rank 0 times a rank's turn (take a message, the program on its tensors, send the outputs; to
-    itself, on a communicator of its own) straight after the peer ran the same turn of its own on that core,
-    then the same turn again at once (warm).  The fit takes the median of the pairs' differences (``[Note: cold
+    itself, on a communicator of its own) straight after the peer's turn on that core (it takes a message, runs
+    the same program on its own inputs and answers with a small message), then the same turn again at once
+    (warm).  The fit takes the median of the pairs' differences (``[Note: cold
     extra in pairs]``); the simulator charges it to a rank's batch when another rank of its crowded node has
     worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
     by writing twice the L2 in this process; that took the toy's turns 170-420 us, about twice what the bench
@@ -412,7 +413,8 @@ class _SharedCore:
         return out
 
     def follow(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> None:
-        """The peer: pinned to rank 0's core, it runs a turn of program ``aux`` each time rank 0 asks, until STOP."""
+        """The peer: pinned to rank 0's core, it runs a turn of program ``aux`` each time rank 0 asks (takes the
+        message, runs the program on its own inputs, answers), until STOP."""
         comm = self.comm
         core = comm.recv(source=0, tag=SHARED_CORE_TAG)
         if core is None:
@@ -430,8 +432,11 @@ class _SharedCore:
                 if m.header.kind == tp.KIND_STOP:
                     return
                 _name, fn, args = work[m.header.aux]
-                o = _outputs(args if fn is None else fn(*args))
-                tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), list(enumerate(o)))
+                if fn is not None:
+                    fn(*args)
+                # a small answer: a large one would keep this rank polling its send, on rank 0's core, until rank 0
+                # takes it (after its timed turn)
+                tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
         finally:
             self.unpin(had)
 

@@ -212,10 +212,12 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
         # a turn after an eviction: the program's measured turn, else a messaging turn's ([Note: evicted caches])
         evicted = calibration.evicted_us_per_turn / 1e3
         if own is not None:
-            cold, evicted = own.cold, own.evicted_ms or evicted
+            cold, evicted = own.cold, own.evicted_ms
         elif all(p is not None for p in progs):
             cold = _sum_curves([p.cold for p in progs if p is not None])
-            evicted = sum(p.evicted_ms for p in progs if p is not None) or evicted
+            # one turn runs the members back to back: its receive and send are cold once, not once per member
+            ev = [p.evicted_ms for p in progs if p is not None]
+            evicted = max(max(ev), sum(ev) - (len(ev) - 1) * evicted)
         else:
             cold = _sum_curves([calibration.compute_cold] * len(members[n]))
         ranks.append(SimRank(r.rank, r.node, index[n], r.batch_size, r.threads,

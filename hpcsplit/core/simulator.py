@@ -70,7 +70,9 @@ cores, every rank's job (a frontend turn, a batch) marks the node's other ranks 
 batch pays at least the program's calibrated turn after an eviction (``ProgramCal.evicted_ms``) in place of its
 cold extra after the idle gap (the larger of the two), and an evicted frontend's next working turn at least
 ``cpu.evicted_us_per_turn``.  A rank with a core of its own (a GPU plan, or no more ranks than cores) never pays
-it.  On the development VM at 2,048 req/s the toy's programs took 91-142 us of CPU in the run against 13-56 us
+it.  The marking is per node, not per core: a job on another core marks the rank too, so a node with only a few
+ranks more than cores is charged more than it pays (a node of 65 single-thread ranks on 64 cores, every batch);
+the rank count, not the threads, is set against the cores.  On the development VM at 2,048 req/s the toy's programs took 91-142 us of CPU in the run against 13-56 us
 back to back; the calibrated turns after a peer's on the same core took 76-211 us more than warm.  Against one
 bench, with the calibration made just before it, the split's predicted p50 went from 18-46 % low to 7-25 % low
 at 256 to 6,000 req/s (``docs/simulate.md``, "Evicted caches").
@@ -394,7 +396,7 @@ class _Sim:
         self.state[r] = _BUSY
         self.job[r] = (now, what)
         node = self.node[r]
-        if self.crowded[node]:  # its work pushes the others' out of the caches ([Note: evicted caches])
+        if self.crowded[node] and work > 0:  # its work pushes the others' out of the caches ([Note: evicted caches])
             ev = self.evicted
             for o in self.node_ranks[node]:
                 ev[o] = o != r

@@ -299,7 +299,7 @@ class _Job:
         return {"switchboard_sha256": sha, "programs": progs}
 
 
-SHARED_CORE_TAG = 7201  # the shared-core step's control message (which program; rank 0 -> its peer)
+SHARED_CORE_TAG = 7401  # the shared-core step's set-up (the core, rank 0 -> its peer; whether it could pin, back)
 
 
 def _take_one(inbox: Inbox) -> Any:
@@ -313,6 +313,20 @@ def _take_one(inbox: Inbox) -> Any:
     if len(got) != 1:
         raise CalibrationError(f"calibration: {len(got)} messages where this rank sent itself one")
     return got[0][0]
+
+
+def _recv_setup(comm: Any, source: int, what: str, timeout_s: float = 300.0) -> Any:
+    """The shared-core step's set-up message from ``source``, waited for without spinning (a blocking receive
+    spins in MPICH, on the core the other rank is moving to), within ``timeout_s``."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        m = comm.improbe(source=source, tag=SHARED_CORE_TAG)
+        if m is not None:
+            return m.recv()
+        if time.perf_counter() > deadline:
+            raise CalibrationError(f"calibration: rank {source} did not send {what} within {timeout_s:g} s; is it "
+                                   "stopped or dead?")
+        time.sleep(1e-3)
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
@@ -331,8 +345,9 @@ class _SharedCore:
     pinned to one core (``os.sched_setaffinity``), and for each program (and for a turn with none, the
     frontend's) rank 0 times a rank's turn (take a message, the program on its tensors, send the outputs; to
     itself, on a communicator of its own) straight after the peer's turn on that core (it takes a message, runs
-    the same program on its own inputs and answers with a small message), then the same turn again at once
-    (warm).  The fit takes the median of the pairs' differences (``[Note: cold
+    the same program on its own inputs, answers with a small message and sleeps through rank 0's two turns),
+    then the same turn again at once (warm).  ``os.sched_setaffinity`` pins the ranks' main threads (the ones that
+    run the turns; a doorbell's thread stays where it was).  The fit takes the median of the pairs' differences (``[Note: cold
     extra in pairs]``); the simulator charges it to a rank's batch when another rank of its crowded node has
     worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
     by writing twice the L2 in this process; that took the toy's turns 170-420 us, about twice what the bench
@@ -369,7 +384,7 @@ class _SharedCore:
         if pinned is None:
             say(0, "calibration: could not pin this rank to one core (os.sched_setaffinity): no shared-core figures")
             return None
-        if not comm.recv(source=peer, tag=SHARED_CORE_TAG):  # the peer may not run on that core (a cpu binding)
+        if not _recv_setup(comm, peer, "whether it runs on that core"):  # it may not (a CPU binding)
             self.unpin(pinned[0])
             say(0, f"calibration: rank {peer} cannot run on core {pinned[1]} (its CPU binding): no shared-core figures")
             return None
@@ -379,12 +394,15 @@ class _SharedCore:
         try:
             for i, (name, fn, args) in enumerate(work):
                 cold: list[float] = []
-                warm: list[float] = []
+                warm: list[float] = [0.0]
                 for _ in range(self.runs):
                     for into in (cold, warm):
                         h_in = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
                         if into is cold:  # the peer's turn on this core, then this rank's
                             tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=i)
+                            # asleep while the peer's turn (about this rank's warm one) runs: polls would warm this
+                            # rank's receive path on the core
+                            time.sleep(min(1.0, 0.3e-3 + 2 * warm[-1] / 1e3))
                             deadline = time.perf_counter() + 30.0
                             while not comm.Iprobe(source=peer, tag=tp.TAG_HEADER):
                                 if time.perf_counter() > deadline:
@@ -401,7 +419,7 @@ class _SharedCore:
                         h_in.wait()
                         if into is cold:
                             tp.recv_message(comm, source=peer, timeout_s=30.0)  # the peer's answer
-                pairs = {"evicted_ms": cold, "warm_ms": warm}
+                pairs = {"evicted_ms": cold, "warm_ms": warm[1:]}
                 if fn is None:  # the turn with no program: the frontend's
                     out["turn"] = pairs
                 else:
@@ -416,7 +434,7 @@ class _SharedCore:
         """The peer: pinned to rank 0's core, it runs a turn of program ``aux`` each time rank 0 asks (takes the
         message, runs the program on its own inputs, answers), until STOP."""
         comm = self.comm
-        core = comm.recv(source=0, tag=SHARED_CORE_TAG)
+        core = _recv_setup(comm, 0, "the core to share")
         if core is None:
             return
         try:
@@ -432,11 +450,14 @@ class _SharedCore:
                 if m.header.kind == tp.KIND_STOP:
                     return
                 _name, fn, args = work[m.header.aux]
+                t0 = time.perf_counter()
                 if fn is not None:
                     fn(*args)
                 # a small answer: a large one would keep this rank polling its send, on rank 0's core, until rank 0
                 # takes it (after its timed turn)
                 tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
+                # asleep through rank 0's two timed turns (a backoff's wake-ups would run on its core meanwhile)
+                time.sleep(min(1.0, 0.5e-3 + 4 * (time.perf_counter() - t0)))
         finally:
             self.unpin(had)
 
@@ -546,12 +567,15 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
             rates[str(k)] = [float(v) for v in got if v is not None]
     job.wait("small program")
     peer = job.same[0]
-    sha, work = job.work(paths) if rank in (0, peer) else (None, [])
+    sha, work = None, []
     if rank == 0:
         job.raw["corun_gflops"] = rates
         job.raw["small"] = job.small_cold()
+        sha, work = job.work(paths)
         job.raw["programs"] = job.programs(sha, work)
     job.wait("shared core")  # [Note: evicted caches]
+    if rank == peer:  # (loaded only now: nothing else runs on the node while rank 0 times its programs)
+        sha, work = job.work(paths)
     if rank in (0, peer):
         sc = _SharedCore(comm, peer, s.program_runs)
         turns = [("turn", None, (torch.zeros(1, 8),)), *work]

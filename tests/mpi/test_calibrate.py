@@ -53,8 +53,11 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
     assert idle.at(20.0) > 0 and all(b >= a for a, b in zip(idle.values_ms, idle.values_ms[1:], strict=False))
     # [Note: evicted caches]: rank 0 and a peer pinned to one of rank 0's cores; a turn after the peer's, and warm
     shared = raw["shared_core"]
-    assert shared["core"] in os.sched_getaffinity(0) and shared["programs"] == {}  # (no switchboard here)
-    pairs = shared["turn"]
-    assert len(pairs["evicted_ms"]) == len(pairs["warm_ms"]) >= 1 and min(pairs["warm_ms"]) > 0
-    assert cal.evicted_us_per_turn >= 0
+    if shared is None:  # a machine whose ranks cannot share one core: said, and no figures
+        assert "no shared-core figures" in p.stderr and cal.evicted_us_per_turn == 0.0
+    else:
+        assert shared["core"] in os.sched_getaffinity(0) and shared["programs"] == {}  # (no switchboard here)
+        pairs = shared["turn"]
+        assert len(pairs["evicted_ms"]) == len(pairs["warm_ms"]) >= 1 and min(pairs["warm_ms"]) > 0
+        assert cal.evicted_us_per_turn >= 0
     assert "calibration written to" in p.stderr

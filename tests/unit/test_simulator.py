@@ -409,11 +409,12 @@ def _evicting(system: SimSystem, evicted_ms: float, cold_ms: float = 0.0) -> Sim
 
 
 def test_a_turn_after_another_ranks_work_on_a_crowded_node_pays_its_evicted_caches() -> None:
-    """[Note: evicted caches]: frontend, two 1 ms components, one request.  On one core (three ranks) each batch
-    follows another rank's work and pays its 0.2 ms evicted turn, and the frontend's answer turn its 0.1 ms (its
-    admission is the first work there is: nothing evicted it); the larger of the cold extra and the evicted turn
-    counts, not both.  With a core for each rank, or on GPUs, nothing is evicted."""
-    cal = free(evicted_us_per_turn=100.0)
+    """[Note: evicted caches]: frontend (10 us a request admitted, answers free), two 1 ms components, one request.
+    On one core (three ranks) each batch follows another rank's work and pays its 0.2 ms evicted turn, and the
+    frontend's answer turn its 0.1 ms (its admission is the first work there is: nothing evicted it); the larger
+    of the cold extra and the evicted turn counts, not both.  With a core for each rank, or on GPUs, nothing is
+    evicted."""
+    cal = free(evicted_us_per_turn=100.0, frontend_us_per_request=10.0)
     quiet = ServePolicy(spin_us=0.0)
 
     def latency(cores: tuple[float, ...], evicted_ms: float, cold_ms: float = 0.0) -> float:
@@ -421,24 +422,24 @@ def test_a_turn_after_another_ranks_work_on_a_crowded_node_pays_its_evicted_cach
                      np.array([0.0]))
         return float((r.done_s - r.arrival_s)[0] * 1e3)
 
-    assert latency((1.0,), 0.2) == pytest.approx(2.0 + 0.2 + 0.2 + 0.1)
-    assert latency((1.0,), 0.2, cold_ms=0.5) == pytest.approx(2.0 + 0.5 + 0.5 + 0.1)  # the cold extra is larger
-    assert latency((1.0,), 0.2, cold_ms=0.1) == pytest.approx(2.0 + 0.2 + 0.2 + 0.1)
-    assert latency((3.0,), 0.2) == pytest.approx(2.0)  # a core for each rank
-    assert latency((), 0.2) == pytest.approx(2.0)  # GPU ranks: no shared cores
+    assert latency((1.0,), 0.2) == pytest.approx(0.01 + 2.0 + 0.2 + 0.2 + 0.1)
+    assert latency((1.0,), 0.2, cold_ms=0.5) == pytest.approx(0.01 + 2.0 + 0.5 + 0.5 + 0.1)  # the cold extra is larger
+    assert latency((1.0,), 0.2, cold_ms=0.1) == pytest.approx(0.01 + 2.0 + 0.2 + 0.2 + 0.1)
+    assert latency((3.0,), 0.2) == pytest.approx(2.01)  # a core for each rank
+    assert latency((), 0.2) == pytest.approx(2.01)  # GPU ranks: no shared cores
 
 
 def test_a_rank_that_worked_last_on_its_node_runs_its_next_batch_warm() -> None:
-    """Two requests 5 ms apart through one 1 ms component on one core, the frontend's turns free: each batch
-    follows the frontend's admission (evicted); with the frontend's cost of a turn 0 it still evicts.  A rank
-    whose batches come back to back, with no other rank's work between, pays nothing: two requests admitted
-    together, batch 1, the second batch straight after the first."""
+    """One 1 ms component on one core, the frontend's admission 10 us a request, its answers free (a turn that
+    costs nothing evicts nothing).  Two requests 5 ms apart: each batch follows an admission (evicted, 0.3 ms).
+    Two requests admitted together, batch 1: the second batch runs straight after the first, with no other rank's
+    work between them, and pays nothing."""
     quiet = ServePolicy(spin_us=0.0)
-    s = _evicting(chain([1.0], free(), cores=(1.0,), policy=quiet), 0.3)
+    s = _evicting(chain([1.0], free(frontend_us_per_request=10.0), cores=(1.0,), policy=quiet), 0.3)
     r = simulate(s, np.array([0.0, 5.0e-3]))
-    assert ((r.done_s - r.arrival_s) * 1e3).tolist() == pytest.approx([1.3, 1.3])
+    assert ((r.done_s - r.arrival_s) * 1e3).tolist() == pytest.approx([1.31, 1.31])
     r = simulate(s, np.array([0.0, 0.0]))
-    assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([1.3, 2.3])
+    assert sorted(((r.done_s - r.arrival_s) * 1e3).tolist()) == pytest.approx([1.32, 2.32])
 
 
 def test_a_frontend_turn_that_only_fails_requests_pays_its_turn_too() -> None:

@@ -567,7 +567,8 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
             rates[str(k)] = [float(v) for v in got if v is not None]
     job.wait("small program")
     peer = job.same[0]
-    sha, work = None, []
+    sha: str | None = None
+    work: list[tuple[str, Any, tuple[torch.Tensor, ...]]] = []
     if rank == 0:
         job.raw["corun_gflops"] = rates
         job.raw["small"] = job.small_cold()

@@ -204,6 +204,12 @@ async def _serve(sock: socket.socket, index: int) -> int:
                 _log(index, "no STOP from the frontend after the stop signal's drain: stopping")
                 break
     finally:
+        # the worker is ending: a later stop signal (a second scancel, the launcher's) is ignored.  Left to the
+        # loop, one that came while asyncio.run closed the loop (its self-pipe closes before its signal handlers
+        # go) printed a BrokenPipeError traceback and killed the worker by the signal instead of its exit code
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(s)
+            signal.signal(s, signal.SIG_IGN)
         await srv.stop()
         link.flush()
         if link.transport is not None:

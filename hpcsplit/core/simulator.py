@@ -72,10 +72,11 @@ cold extra after the idle gap (the larger of the two), and an evicted frontend's
 ``cpu.evicted_us_per_turn``.  A rank with a core of its own (a GPU plan, or no more ranks than cores) never pays
 it.  The marking is per node, not per core: a job on another core marks the rank too, so a node with only a few
 ranks more than cores is charged more than it pays (a node of 65 single-thread ranks on 64 cores, every batch);
-the rank count, not the threads, is set against the cores.  On the development VM at 2,048 req/s the toy's programs took 91-142 us of CPU in the run against 13-56 us
-back to back; the calibrated turns after a peer's on the same core took 76-211 us more than warm.  Against one
-bench, with the calibration made just before it, the split's predicted p50 went from 18-46 % low to 7-25 % low
-at 256 to 6,000 req/s (``docs/simulate.md``, "Evicted caches").
+the rank count, not the threads, is set against the cores.  On the development VM at 2,048 req/s the toy's
+programs took 91-142 us of CPU in the run against 13-56 us back to back; the calibrated turns after a peer's on
+the same core took 76-211 us more than warm.  Against one bench, with the calibration made just before it, the
+split's predicted p50 went from 18-46 % low to 7-25 % low at 256 to 6,000 req/s (``docs/simulate.md``,
+"Evicted caches").
 
 The batching rule is checked against the runtime's code on the same trace (``tests/unit/test_simulator.py``
 replays every turn through ``runtime.batching.Batcher``).  Deterministic: the same system, schedule and seed give the same result.

@@ -346,10 +346,10 @@ class _SharedCore:
     frontend's) rank 0 times a rank's turn (take a message, the program on its tensors, send the outputs; to
     itself, on a communicator of its own) straight after the peer's turn on that core (it takes a message, runs
     the same program on its own inputs, answers with a small message and sleeps through rank 0's two turns),
-    then the same turn again at once (warm).  ``os.sched_setaffinity`` pins the ranks' main threads (the ones that
-    run the turns; a doorbell's thread stays where it was).  The fit takes the median of the pairs' differences (``[Note: cold
-    extra in pairs]``); the simulator charges it to a rank's batch when another rank of its crowded node has
-    worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
+    then the same turn again at once (warm).  ``os.sched_setaffinity`` pins the ranks' main threads (the ones
+    that run the turns; a doorbell's thread stays where it was).  The fit takes the median of the pairs'
+    differences (``[Note: cold extra in pairs]``); the simulator charges it to a rank's batch when another rank
+    of its crowded node has worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
     by writing twice the L2 in this process; that took the toy's turns 170-420 us, about twice what the bench
     showed: another rank shares this rank's code (the same libraries' pages), and only its data pushes ours out.
     """
@@ -359,11 +359,12 @@ class _SharedCore:
         self.x = torch.zeros(1, 8)
 
     @staticmethod
-    def pin() -> tuple[set[int], int] | None:
-        """Pin this process to the lowest core it may use; (the cores it had, that core), or None where it cannot."""
+    def pin(core: int | None = None) -> tuple[set[int], int] | None:
+        """Pin this rank's main thread to ``core`` (None: the lowest it may use); (the cores it had, that core), or
+        None where it cannot."""
         try:
             had = set(os.sched_getaffinity(0))
-            core = min(had)
+            core = min(had) if core is None else core
             os.sched_setaffinity(0, {core})
         except (AttributeError, OSError, ValueError):
             return None
@@ -394,7 +395,7 @@ class _SharedCore:
         try:
             for i, (name, fn, args) in enumerate(work):
                 cold: list[float] = []
-                warm: list[float] = [0.0]
+                warm: list[float] = []
                 for _ in range(self.runs):
                     for into in (cold, warm):
                         h_in = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
@@ -402,7 +403,7 @@ class _SharedCore:
                             tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=i)
                             # asleep while the peer's turn (about this rank's warm one) runs: polls would warm this
                             # rank's receive path on the core
-                            time.sleep(min(1.0, 0.3e-3 + 2 * warm[-1] / 1e3))
+                            time.sleep(min(1.0, 0.3e-3 + 2 * (warm[-1] if warm else 0.0) / 1e3))
                             deadline = time.perf_counter() + 30.0
                             while not comm.Iprobe(source=peer, tag=tp.TAG_HEADER):
                                 if time.perf_counter() > deadline:
@@ -419,7 +420,7 @@ class _SharedCore:
                         h_in.wait()
                         if into is cold:
                             tp.recv_message(comm, source=peer, timeout_s=30.0)  # the peer's answer
-                pairs = {"evicted_ms": cold, "warm_ms": warm[1:]}
+                pairs = {"evicted_ms": cold, "warm_ms": warm}
                 if fn is None:  # the turn with no program: the frontend's
                     out["turn"] = pairs
                 else:
@@ -437,13 +438,10 @@ class _SharedCore:
         core = _recv_setup(comm, 0, "the core to share")
         if core is None:
             return
-        try:
-            had = set(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {core})
-        except (AttributeError, OSError, ValueError):
-            comm.send(False, dest=0, tag=SHARED_CORE_TAG)
+        pinned = self.pin(core)
+        comm.send(pinned is not None, dest=0, tag=SHARED_CORE_TAG)
+        if pinned is None:
             return
-        comm.send(True, dest=0, tag=SHARED_CORE_TAG)
         try:
             while True:
                 m = tp.recv_message(comm, source=0, timeout_s=300.0, spin_s=0.0)
@@ -459,7 +457,7 @@ class _SharedCore:
                 # asleep through rank 0's two timed turns (a backoff's wake-ups would run on its core meanwhile)
                 time.sleep(min(1.0, 0.5e-3 + 4 * (time.perf_counter() - t0)))
         finally:
-            self.unpin(had)
+            self.unpin(pinned[0])
 
 
 def _stamped(x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ documents) and says so (``source == "defaults"``).
 - ``programs`` (optional): per exported program of one switchboard (``switchboard_sha256``), its batch-1
   time back to back, its extra time after idle gaps, and (optional, 0 when absent) the extra of a rank's turn
   with it after the core's caches were evicted (:class:`ProgramCal`); ``cpu.evicted_us_per_turn`` (optional)
-  the same for a turn that only takes and sends a small message (``[Note: evicted caches]`` in
+  the same for a turn that only takes and sends a small message, and ``cpu.evicted_us_per_wake`` (optional) for
+  an idle rank's wake-up that finds nothing, in CPU time (``[Note: evicted caches]`` in
   :mod:`hpcsplit.launch.calibrate_run`).
 
 The file is untrusted input: :func:`load_calibration` reads at most 1 MiB of JSON (no code, nothing outside
@@ -175,6 +176,7 @@ class Calibration:
     idle_cpu: Curve = field(default_factory=lambda: Curve.constant(0.0))  # CPU ms of an idle gap, its spin included
     frontend_us_per_turn: float = 0.0  # CPU of a frontend loop pass that does work, beyond its requests and messages
     evicted_us_per_turn: float = 0.0  # extra CPU of a messaging turn after the core's caches were evicted
+    evicted_us_per_wake: float = 0.0  # ... of an idle rank's wake-up that finds nothing ([Note: idle CPU])
 
     # ------------------------------------------------------------------ the readers' figures
     @classmethod
@@ -267,6 +269,7 @@ class Calibration:
                     "frontend_us_per_message": self.frontend_us_per_message,
                     "frontend_us_per_turn": self.frontend_us_per_turn,
                     "evicted_us_per_turn": self.evicted_us_per_turn,
+                    "evicted_us_per_wake": self.evicted_us_per_wake,
                     "component_us_per_message": self.component_us_per_message,
                     "component_us_per_request": self.component_us_per_request},
             "compute": {"gflops": {str(k): v for k, v in sorted(self.compute_gflops.items())},
@@ -455,9 +458,10 @@ class _Reader:
         if kind not in ("cpu", "cuda"):
             self.bad("device_kind", kind, "'cpu' or 'cuda'")
         cpu = self.keys(d.get("cpu"), "cpu", ("frontend_us_per_request", "frontend_us_per_message",
-                                              "frontend_us_per_turn", "evicted_us_per_turn",
+                                              "frontend_us_per_turn", "evicted_us_per_turn", "evicted_us_per_wake",
                                               "component_us_per_message", "component_us_per_request"),
-                        optional=("frontend_us_per_turn", "evicted_us_per_turn"))  # (older files have none: 0)
+                        optional=("frontend_us_per_turn", "evicted_us_per_turn",
+                                  "evicted_us_per_wake"))  # (older files have none: 0)
         comp = self.keys(d.get("compute"), "compute", ("gflops", "corun_slowdown"))
         gfl = comp.get("gflops")
         gflops: dict[int, float] = {}
@@ -527,5 +531,7 @@ class _Reader:
                                   if "frontend_us_per_turn" in cpu else 0.0),
             evicted_us_per_turn=(self.num(cpu["evicted_us_per_turn"], "cpu.evicted_us_per_turn", 0, 1e6)
                                  if "evicted_us_per_turn" in cpu else 0.0),
+            evicted_us_per_wake=(self.num(cpu["evicted_us_per_wake"], "cpu.evicted_us_per_wake", 0, 1e6)
+                                 if "evicted_us_per_wake" in cpu else 0.0),
         )
         return cal

@@ -13,9 +13,30 @@ from typing import Any
 
 from hpcsplit.core.settings import Checker, group_defaults
 
-__all__ = ["BUCKET_MIN", "ReplicaRouter", "ServePolicy"]
+__all__ = ["BUCKET_MIN", "ReplicaRouter", "ServePolicy", "backoff_wakes_ms"]
 
 BUCKET_MIN = 9  # components with at least this many replicas keep them ordered (no scan per request)
+BACKOFF_FIRST_S = 20e-6  # runtime.mailbox.Backoff: its first sleep after the spin, doubling ...
+BACKOFF_MAX_S = 1e-3  # ... to this (its max_sleep_s)
+QUIET_AFTER_S = 1e-3  # runtime.mailbox.QUIET_AFTER_S: then a quiet rank sleeps on its doorbell until rung
+
+
+def backoff_wakes_ms(spin_us: float) -> tuple[float, ...]:
+    """When a quiet rank's backoff wakes it (ms after its work): after its spin, sleeps of 20 us doubling (at most
+    1 ms) until it has been idle 1 ms; then it sleeps on its doorbell until a message rings it
+    (``runtime.mailbox.Backoff.plan``; its 100 ms timeout is not counted).
+
+    >>> backoff_wakes_ms(50.0)
+    (0.07, 0.11, 0.19, 0.35, 0.67, 1.31)
+    """
+    t, s = spin_us * 1e-6, BACKOFF_FIRST_S
+    out = []
+    while True:
+        t += s
+        out.append(round(t * 1e3, 9))
+        if t >= QUIET_AFTER_S:
+            return tuple(out)
+        s = min(2 * s, BACKOFF_MAX_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,10 @@ each span between the curve's points after the spin, the CPU the curve adds ther
 length (at most one core).  Measured on the development VM: a rank idle 0.5 ms used 0.14 ms of CPU, against
 its spin's 0.05.  At 2,048 req/s through the toy's seven ranks on two cores the machine ran 95 % busy
 (0.9 ms of CPU per request for 0.11 ms of compute); charging the wake-ups raised the simulated p50 there by
-2-20 %, a part of what it missed (docs/simulate.md, "Measured").
+2-20 %, a part of what it missed (docs/simulate.md, "Measured").  On a crowded node (more ranks than cores) each
+wake-up also runs cold, other ranks having run on the core since the last: the curve (measured with a core for
+each rank) has each of a backoff's six wake-ups before its doorbell sleep (:func:`~hpcsplit.core.policy.backoff_wakes_ms`)
+cost ``cpu.evicted_us_per_wake`` more there, in the span that ends with it.
 
 Evicted caches (``[Note: evicted caches]`` in :mod:`hpcsplit.launch.calibrate_run`): on a node with more ranks than
 cores, every rank's job (a frontend turn, a batch) marks the node's other ranks evicted; an evicted rank's next
@@ -84,6 +87,7 @@ replays every turn through ``runtime.batching.Batcher``).  Deterministic: the sa
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -94,7 +98,7 @@ from typing import Any
 import numpy as np
 
 from hpcsplit.core.calibration import Calibration, Curve
-from hpcsplit.core.policy import ReplicaRouter, ServePolicy
+from hpcsplit.core.policy import ReplicaRouter, ServePolicy, backoff_wakes_ms
 
 __all__ = ["STATUS_OK", "STATUS_TIMEOUT", "ServePolicy", "SimComponent", "SimRank", "SimRun",
            "SimSystem", "simulate"]
@@ -319,23 +323,35 @@ class _Sim:
         self._cross = cal.cross_extra
         self._fe_cold = cal.compute_cold
         self.due_armed = False  # a _DUE event (the oldest request's deadline) is in the heap
-        self.idle_seg = self._idle_segments(cal, self.spin_s) if self.shared else ()
         # [Note: evicted caches]: on a node with more ranks than cores, a rank's turn after another rank's work runs
-        # cold (its turn's extra: the program's, or a messaging turn's for the frontend)
+        # cold (its turn's extra: the program's, or a messaging turn's for the frontend), and so does each wake-up of
+        # its backoff ([Note: idle CPU])
         self.crowded = [self.shared and len(self.node_ranks[k]) > self.slots[k] for k in range(nodes)]
+        plain = self._idle_segments(cal, self.spin_s) if self.shared else ()
+        crowd = self._idle_segments(cal, self.spin_s, cal.evicted_us_per_wake / 1e6) if any(self.crowded) else ()
+        self.idle_segs = [crowd if self.crowded[k] else plain for k in range(nodes)]
+        self.idle_on = any(self.idle_segs)
         self.evicted = [False] * n
         self.ev_s = [r.evicted_ms / 1e3 for r in s.ranks]
         self.ev_s[0] = cal.evicted_us_per_turn / 1e6
 
     @staticmethod
-    def _idle_segments(cal: Calibration, spin_s: float) -> tuple[tuple[float, float], ...]:
-        """(seconds, share of a core) spans of a rank's backoff after its spin (``[Note: idle CPU]``)."""
+    def _idle_segments(cal: Calibration, spin_s: float, per_wake_s: float = 0.0) -> tuple[tuple[float, float], ...]:
+        """(seconds, share of a core) spans of a rank's backoff after its spin (``[Note: idle CPU]``), each wake-up of
+        it costing ``per_wake_s`` more (a crowded node's: ``cpu.evicted_us_per_wake``)."""
         c = cal.idle_cpu
         spin_ms = spin_s * 1e3
-        points = [spin_ms, *(g for g in c.gaps_ms if g > spin_ms)]
+        base = [spin_ms, *(g for g in c.gaps_ms if g > spin_ms)]
+        rate = [max(0.0, c.at(b) - c.at(a)) / (b - a) for a, b in itertools.pairwise(base)]  # per curve span
+        wakes = backoff_wakes_ms(spin_s * 1e6) if per_wake_s > 0 else ()
+        # the curve's CPU spread evenly over each of its spans (as without wake-ups); each wake-up's extra in the
+        # span that ends with it
+        points = sorted({*base, *wakes})
         out = []
         for a, b in itertools.pairwise(points):
-            w = min(1.0, max(0.0, c.at(b) - c.at(a)) / (b - a))
+            k = bisect.bisect_right(base, a) - 1  # the curve span (a, b] lies in (none past its last point)
+            n = bisect.bisect_right(wakes, b) - bisect.bisect_right(wakes, a)
+            w = min(1.0, (rate[k] if k < len(rate) else 0.0) + n * per_wake_s * 1e3 / (b - a))
             out.append(((b - a) / 1e3, w))
         while out and out[-1][1] <= 0.0:
             out.pop()
@@ -434,15 +450,16 @@ class _Sim:
 
     def backoff(self, r: int, now: float, k: int = 0) -> None:
         """Span ``k`` of rank ``r``'s backoff begins: it takes that span's share of a core (``[Note: idle CPU]``)."""
-        w = self.idle_seg[k][1] if k < len(self.idle_seg) else 0.0
+        seg = self.idle_segs[self.node[r]]
+        w = seg[k][1] if k < len(seg) else 0.0
         if w != self.iw[r]:
             node = self.node[r]
             self._advance(node, now)
             self.idle_w[node] += w - self.iw[r]
             self.iw[r] = w
             self._reschedule(node, now)
-        if k < len(self.idle_seg):
-            self.push(now + self.idle_seg[k][0], _IDLEW, r, (self.iv[r], k + 1))
+        if k < len(seg):
+            self.push(now + seg[k][0], _IDLEW, r, (self.iv[r], k + 1))
 
     def wake(self, r: int, now: float) -> None:
         """The rank's turn runs: its backoff (if any) ends."""
@@ -480,7 +497,7 @@ class _Sim:
             node = self.node[r]
             if self.used[node] >= self.slots[node]:
                 self.state[r] = _QUEUED
-                if self.idle_seg:  # woken: its backoff ends (a rank waiting for a core does not poll)
+                if self.idle_on:  # woken: its backoff ends (a rank waiting for a core does not poll)
                     self.wake(r, t)
                 self._enqueue(r, _Q_TURN, t)
                 return
@@ -488,7 +505,7 @@ class _Sim:
         self._run_turn(r, t)
 
     def _run_turn(self, r: int, t: float) -> None:
-        if self.idle_seg:
+        if self.idle_on:
             self.wake(r, t)
         if r == 0:
             self.fe_turn(t)
@@ -507,7 +524,7 @@ class _Sim:
         self.sv[r] += 1
         if self.shared:
             self._release(r, t)
-        if self.idle_seg:
+        if self.idle_on:
             self.backoff(r, t)
 
     # ------------------------------------------------------------------ run queues ([Note: run queues])

@@ -26,8 +26,9 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
   against the replica's idle time (0 at least, increasing);
 - **evicted caches** (``[Note: evicted caches]``): a turn straight after another rank's turn on the same core less
   the warm turn straight after it, the pairs' median (at least 0): per program (``ProgramCal.evicted_ms``: take a
-  message, the program, send its outputs) and for a turn with no program (``cpu.evicted_us_per_turn``); 0 where
-  the job could not pin two ranks to one core, and for an older job's figures;
+  message, the program, send its outputs), for a turn with no program (``cpu.evicted_us_per_turn``) and for an
+  idle rank's wake-up that finds nothing, in CPU time (``cpu.evicted_us_per_wake``); 0 where the job could not
+  pin two ranks to one core, and for an older job's figures;
 - **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
   ``k`` ranks computing at once; cold extras = the median, over runs after a gap, of the run less the warm run
   straight after it (``[Note: cold extra in pairs]``; an older job's figures: median after the gap less median
@@ -245,6 +246,7 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         compute_cold=cold, same_node=same, cross_node=cross_link, cross_extra=cross_extra,
         frontend_us_per_request=c * 1e6, frontend_us_per_message=d * 1e6,
         frontend_us_per_turn=per_turn * 1e6, evicted_us_per_turn=_evicted(shared.get("turn")) * 1e3,
+        evicted_us_per_wake=_evicted(shared.get("wake")) * 1e3,
         component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
         compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
         notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",), idle_cpu=idle_cpu,

@@ -299,6 +299,9 @@ class _Job:
         return {"switchboard_sha256": sha, "programs": progs}
 
 
+WAKE: Any = object()  # the shared-core step's work item for an idle rank's wake-up (no program, no message)
+SHORT_RUNS = 25  # pairs of the turn with no program and of the wake-up (calibrate.program_runs, if more)
+WAKE_SLEEP_S = 160e-6  # ... its sleep: the fourth of a backoff (from 100 us on, a doorbell's)
 SHARED_CORE_TAG = 7401  # the shared-core step's set-up (the core, rank 0 -> its peer; whether it could pin, back)
 
 
@@ -352,10 +355,17 @@ class _SharedCore:
     of its crowded node has worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
     by writing twice the L2 in this process; that took the toy's turns 170-420 us, about twice what the bench
     showed: another rank shares this rank's code (the same libraries' pages), and only its data pushes ours out.
+
+    An idle rank pays it too: its backoff wakes it some six times in the first 1.3 ms after its work (20 us
+    doubling, ``mailbox.Backoff``), and on a crowded node other ranks ran on its core between two wake-ups.  So
+    the step also times a wake-up that finds nothing (a backoff's sleep, on the doorbell where there is one, and a
+    poll) after the peer's turn (one with no program) and warm, in the thread's CPU time (``time.thread_time``: the kernel's part of the sleep counts, the
+    sleep itself does not); the simulator adds the difference to each wake-up of an idle rank on a crowded node
+    (``[Note: idle CPU]``).
     """
 
-    def __init__(self, comm: Any, peer: int, runs: int) -> None:
-        self.comm, self.peer, self.runs = comm, peer, runs
+    def __init__(self, comm: Any, peer: int, runs: int, db: Any = None) -> None:
+        self.comm, self.peer, self.runs, self.db = comm, peer, runs, db
         self.x = torch.zeros(1, 8)
 
     @staticmethod
@@ -391,38 +401,57 @@ class _SharedCore:
             return None
         selfc = MPI.COMM_SELF.Dup()
         inbox = Inbox(selfc)
+        world, db = Inbox(comm), self.db
         out: dict[str, Any] = {"core": pinned[1], "programs": {}}
         try:
             for i, (name, fn, args) in enumerate(work):
                 cold: list[float] = []
                 warm: list[float] = []
-                for _ in range(self.runs):
+                wake = fn is WAKE
+                # the turns without a program take a few ms a pair: more pairs for a steadier median
+                for _ in range(self.runs if fn is not None and not wake else max(self.runs, SHORT_RUNS)):
                     for into in (cold, warm):
-                        h_in = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
+                        h_in = None if wake else tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (),
+                                                                  list(enumerate(args)))
                         if into is cold:  # the peer's turn on this core, then this rank's
                             tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=i)
                             # asleep while the peer's turn (about this rank's warm one) runs: polls would warm this
                             # rank's receive path on the core
                             time.sleep(min(1.0, 0.3e-3 + 2 * (warm[-1] if warm else 0.0) / 1e3))
                             deadline = time.perf_counter() + 30.0
-                            while not comm.Iprobe(source=peer, tag=tp.TAG_HEADER):
+                            while not comm.Iprobe(source=peer, tag=SHARED_CORE_TAG if wake else tp.TAG_HEADER):
                                 if time.perf_counter() > deadline:
                                     raise CalibrationError(f"calibration: rank {peer} did not answer within 30 s on "
                                                            f"the core it shares with rank 0; is it stopped or dead?")
                                 time.sleep(20e-6)  # (asleep: the core is the peer's)
-                        t0 = time.perf_counter()
-                        msg = _take_one(inbox)
-                        h = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (),
-                                             list(enumerate(_outputs(msg.tensors if fn is None else fn(*msg.tensors)))))
-                        into.append((time.perf_counter() - t0) * 1e3)
-                        _take_one(inbox)  # the outputs, untimed
-                        h.wait()
-                        h_in.wait()
-                        if into is cold:
+                        if wake:  # a backoff's wake-up that finds nothing: its CPU, the kernel's part included
+                            c0 = time.thread_time()
+                            if db is not None:  # as mailbox.Backoff sleeps from 100 us on
+                                db.sleep(WAKE_SLEEP_S, db.probe_header)
+                            else:
+                                time.sleep(WAKE_SLEEP_S)
+                            if world.poll():
+                                raise CalibrationError("calibration: a message came to a poll that expects none")
+                            into.append((time.thread_time() - c0) * 1e3)
+                        else:
+                            t0 = time.perf_counter()
+                            msg = _take_one(inbox)
+                            h = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(
+                                _outputs(msg.tensors if fn is None else fn(*msg.tensors)))))
+                            into.append((time.perf_counter() - t0) * 1e3)
+                            _take_one(inbox)  # the outputs, untimed
+                            h.wait()
+                            assert h_in is not None
+                            h_in.wait()
+                        if into is cold and wake:  # the peer's answer (on a tag of its own: the doorbell's
+                            comm.recv(source=peer, tag=SHARED_CORE_TAG)  # probe must not see it)
+                        elif into is cold:
                             tp.recv_message(comm, source=peer, timeout_s=30.0)  # the peer's answer
                 pairs = {"evicted_ms": cold, "warm_ms": warm}
                 if fn is None:  # the turn with no program: the frontend's
                     out["turn"] = pairs
+                elif wake:  # an idle rank's wake-up
+                    out["wake"] = pairs
                 else:
                     out["programs"][name] = pairs
         finally:
@@ -449,11 +478,14 @@ class _SharedCore:
                     return
                 _name, fn, args = work[m.header.aux]
                 t0 = time.perf_counter()
-                if fn is not None:
+                if fn is not None and fn is not WAKE:
                     fn(*args)
                 # a small answer: a large one would keep this rank polling its send, on rank 0's core, until rank 0
                 # takes it (after its timed turn)
-                tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
+                if fn is WAKE:
+                    comm.send(None, dest=0, tag=SHARED_CORE_TAG)
+                else:
+                    tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
                 # asleep through rank 0's two timed turns (a backoff's wake-ups would run on its core meanwhile)
                 time.sleep(min(1.0, 0.5e-3 + 4 * (time.perf_counter() - t0)))
         finally:
@@ -576,8 +608,8 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
     if rank == peer:  # (loaded only now: nothing else runs on the node while rank 0 times its programs)
         sha, work = job.work(paths)
     if rank in (0, peer):
-        sc = _SharedCore(comm, peer, s.program_runs)
-        turns = [("turn", None, (torch.zeros(1, 8),)), *work]
+        sc = _SharedCore(comm, peer, s.program_runs, db)
+        turns = [("turn", None, (torch.zeros(1, 8),)), ("wake", WAKE, ()), *work]
         with torch.inference_mode():
             if rank == 0:
                 job.raw["shared_core"] = sc.lead(turns)

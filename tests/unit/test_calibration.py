@@ -59,20 +59,25 @@ def test_a_file_written_before_the_frontends_cpu_per_turn_reads_it_as_zero(tmp_p
 
 def test_a_file_written_before_the_evicted_turns_reads_them_as_zero(tmp_path: Path) -> None:
     """[Note: evicted caches]: both figures are optional (older files have neither) and checked like the rest."""
-    cal = dataclasses.replace(measured(), evicted_us_per_turn=31.0,
+    cal = dataclasses.replace(measured(), evicted_us_per_turn=31.0, evicted_us_per_wake=14.0,
                               programs={"whole": ProgramCal(1.5, Curve.constant(0.0), 0.12)})
     back = load_calibration(cal.save(tmp_path / "c.json"))
     assert back.evicted_us_per_turn == 31.0 and back.programs["whole"].evicted_ms == 0.12
+    assert back.evicted_us_per_wake == 14.0
     d = cal.to_json()
     del d["cpu"]["evicted_us_per_turn"]
+    del d["cpu"]["evicted_us_per_wake"]
     del d["programs"]["programs"]["whole"]["evicted_ms"]
     old = load_calibration(_write(tmp_path, d))
     assert old.evicted_us_per_turn == 0.0 and old.programs["whole"].evicted_ms == 0.0
+    assert old.evicted_us_per_wake == 0.0
     d["cpu"]["evicted_us_per_turn"] = float("nan")
+    d["cpu"]["evicted_us_per_wake"] = -3.0
     d["programs"]["programs"]["whole"]["evicted_ms"] = -0.5
     with pytest.raises(CalibrationError, match=r"cpu.evicted_us_per_turn = nan") as e:
         load_calibration(_write(tmp_path, d))
     assert "programs['whole'].evicted_ms = -0.5" in str(e.value)
+    assert "cpu.evicted_us_per_wake = -3.0" in str(e.value)
 
 
 def test_a_file_written_before_idle_cpu_reads_as_no_idle_cpu(tmp_path: Path) -> None:
@@ -269,15 +274,18 @@ def test_the_evicted_turns_are_the_pairs_median_extra_and_zero_where_the_job_cou
     raw["programs"] = {"switchboard_sha256": "0" * 64,
                        "programs": {"stem": {"b2b_ms": [0.05] * 5, "after_ms": {}, "warm_ms": {}}}}
     raw["shared_core"] = {"core": 0, "turn": {"evicted_ms": [0.045] * 5, "warm_ms": [0.015] * 5},
+                          "wake": {"evicted_ms": [0.03, 0.031, 0.07, 0.029, 0.032], "warm_ms": [0.017] * 5},
                           "programs": {"stem": {"evicted_ms": cold, "warm_ms": warm}}}
     cal = fit(raw)
     assert cal.programs["stem"].evicted_ms == pytest.approx(0.09, abs=0.005)
     assert cal.evicted_us_per_turn == pytest.approx(30.0)
+    assert cal.evicted_us_per_wake == pytest.approx(14.0)  # (the pairs' median: one slow wake-up does not count)
     raw["shared_core"]["turn"] = {"evicted_ms": [0.01] * 5, "warm_ms": [0.02] * 5}
     assert fit(raw).evicted_us_per_turn == 0.0  # never below 0
     raw["shared_core"] = None
     old = fit(raw)
     assert old.evicted_us_per_turn == 0.0 and old.programs["stem"].evicted_ms == 0.0
+    assert old.evicted_us_per_wake == 0.0
 
 
 @pytest.mark.parametrize("over", [{"sizes_bytes": [float("inf")]}, {"sizes_bytes": [2**2000]},

@@ -168,6 +168,26 @@ def test_a_long_spin_yields_the_core_past_the_short_one(monkeypatch: pytest.Monk
     assert b.plan(20.0) == (0.0, False) and not b.yielding
 
 
+def test_the_simulators_backoff_wakes_are_the_runtimes() -> None:
+    """[Note: idle CPU]: the wake-ups the simulator charges a crowded node (core.policy.backoff_wakes_ms) are those
+    of the runtime's Backoff replayed from the end of a rank's work: its spin, then sleeps of 20 us doubling until
+    it has been idle QUIET_AFTER_S (then a quiet rank sleeps on its doorbell)."""
+    from hpcsplit.core.policy import QUIET_AFTER_S, backoff_wakes_ms
+
+    assert QUIET_AFTER_S == mb.QUIET_AFTER_S
+    for spin_s in (mb.SPIN_S, 0.0, 0.3e-3):
+        b = mb.Backoff(spin_s=spin_s)
+        now, wakes = 5.0, []
+        while True:
+            s, _ = b.plan(now)
+            now += s if s > 0 else 1e-7  # a spin polls until spin_s has passed
+            if s > 0:
+                wakes.append((now - 5.0) * 1e3)
+                if now - 5.0 >= mb.QUIET_AFTER_S:
+                    break
+        assert backoff_wakes_ms(spin_s * 1e6) == pytest.approx(wakes, abs=1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_stage_through_pinned_host_memory() -> None:

@@ -14,7 +14,7 @@ import pytest
 from hpcsplit.allocation.synthetic import make_profile
 from hpcsplit.core.calibration import Calibration, Curve, Link
 from hpcsplit.core.load import arrival_times, summarize
-from hpcsplit.core.policy import ReplicaRouter
+from hpcsplit.core.policy import ReplicaRouter, backoff_wakes_ms
 from hpcsplit.core.profile_format import Profile
 from hpcsplit.core.sim_model import SimGraph, build_system, grouped, latency_table
 from hpcsplit.core.simulator import (
@@ -23,6 +23,7 @@ from hpcsplit.core.simulator import (
     ServePolicy,
     SimComponent,
     SimRank,
+    SimRun,
     SimSystem,
     sched_slice_s,
     simulate,
@@ -373,6 +374,27 @@ def test_a_nodes_cpu_counts_computing_polling_and_backing_off_ranks_up_to_its_co
     assert one.node_cpu_s[0] == pytest.approx(done)  # demand was above one core the whole time: all of it
     gpu = simulate(chain([10.0, 5.0], free(), policy=quiet), np.array([0.0]))  # devices: not counted
     assert gpu.node_cpu_s[0] == 0.0
+
+
+def test_each_wake_up_of_a_backoff_on_a_crowded_node_costs_its_evicted_extra() -> None:
+    """[Note: idle CPU], [Note: evicted caches]: one request through a 10 ms and a 5 ms component, no idle CPU in
+    the curve, a wake-up after an eviction 10 us more.  On two cores (three ranks: crowded) the frontend backs off
+    through both batches and c0 through c1's: six wake-ups each before they sleep on the doorbell, 0.12 ms of CPU
+    in all, and the request as fast (the cores are not full).  With a core for each rank nothing is added; a curve
+    of its own is added to, not replaced."""
+    quiet = ServePolicy(spin_us=0.0)
+
+    def run(cal: Calibration, cores: float) -> SimRun:
+        return simulate(chain([10.0, 5.0], cal, cores=(cores,), policy=quiet), np.array([0.0]))
+
+    base, woke = run(free(), 2.0), run(free(evicted_us_per_wake=10.0), 2.0)
+    assert len(backoff_wakes_ms(0.0)) == 6
+    assert woke.node_cpu_s[0] - base.node_cpu_s[0] == pytest.approx(2 * 6 * 10e-6)
+    assert woke.done_s[0] == pytest.approx(base.done_s[0])
+    assert run(free(evicted_us_per_wake=10.0), 3.0).node_cpu_s[0] == pytest.approx(run(free(), 3.0).node_cpu_s[0])
+    curve = free(idle_cpu=Curve((0.0, 100.0), (0.0, 1.0)))  # 1 ms of CPU over 100 ms idle (the cores still not full)
+    both = dataclasses.replace(curve, evicted_us_per_wake=10.0)
+    assert run(both, 2.0).node_cpu_s[0] - run(curve, 2.0).node_cpu_s[0] == pytest.approx(2 * 6 * 10e-6)
 
 
 def _two_replicas_on_one_core(ms: float) -> SimSystem:

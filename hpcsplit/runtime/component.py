@@ -25,7 +25,7 @@ from hpcsplit.runtime import faults
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import Batcher, JoinBuffer, ReadyRequest, Row, stack_rows, take_requests
-from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
+from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say, settle_heap
 from hpcsplit.runtime.faults import COMPONENT_SIGNAL_GRACE_S, JobInterrupted, stop_signal
 from hpcsplit.runtime.routing import OUTPUT, WHOLE, Dataflow
 from hpcsplit.runtime.settings import FaultSettings
@@ -460,6 +460,7 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
         fn = load_variant(ctx, df, vname, name, ctx.entry.slice_gb)
         floor = _measure_floor(ctx, df, vname, name, fn)
         fn = with_fault(fn, rt.fault, name)
+        settle_heap()  # [Note: frozen heap]
         ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s)
         server = rt.mode == "server"
         st = serve_component(comm, df, name, fn, df.batch_size_of(rank), rt.max_wait_ms / 1e3,

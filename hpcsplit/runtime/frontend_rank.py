@@ -35,7 +35,7 @@ from hpcsplit.runtime.batch_stream import (
     peak_rss_mb,
 )
 from hpcsplit.runtime.batching import take_requests
-from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
+from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say, settle_heap
 from hpcsplit.runtime.faults import JobInterrupted, RankSilentError, chain_requeue, lost_ranks
 from hpcsplit.runtime.frontend import STATUS_ERROR, STATUS_TIMEOUT, Frontend, SessionResult, request_getter
 from hpcsplit.runtime.routing import Dataflow
@@ -138,6 +138,7 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
         for turn in floor_turns(ctx, df, vname):  # the component ranks time their floor, in turn
             ctx.barrier(f"{vname}: timing the floor (rank {turn}'s turn)", rt.load_timeout_s, strays,
                         FLOOR_WAIT_SLEEP_S)
+        settle_heap()  # [Note: frozen heap]
         # every component rank has loaded and checked its callable (and sent the last variant's strays)
         ctx.barrier(f"{vname}: loading and checking the programs", rt.load_timeout_s, strays)
         try:

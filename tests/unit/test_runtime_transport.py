@@ -168,6 +168,37 @@ def test_a_long_spin_yields_the_core_past_the_short_one(monkeypatch: pytest.Monk
     assert b.plan(20.0) == (0.0, False) and not b.yielding
 
 
+def test_settle_heap_collects_the_garbage_and_freezes_the_rest() -> None:
+    """[Note: frozen heap]: a cycle dropped before the call is collected (not frozen for good), what is alive is
+    frozen (a full pass no longer scans it), and what is made afterwards is collected as usual."""
+    import gc
+    import weakref
+
+    from hpcsplit.runtime.context import settle_heap
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+
+    dropped, kept = Node(), Node()
+    gone = weakref.ref(dropped)
+    del dropped
+    before = gc.get_freeze_count()
+    try:
+        settle_heap()
+        assert gone() is None  # collected before the freeze
+        assert gc.get_freeze_count() > before and gc.is_tracked(kept)
+        # frozen: in none of the generations a pass scans
+        assert not any(o is kept for g in range(3) for o in gc.get_objects(generation=g))
+        later = Node()
+        ref = weakref.ref(later)
+        del later
+        gc.collect()
+        assert ref() is None
+    finally:
+        gc.unfreeze()
+
+
 def test_the_simulators_backoff_wakes_are_the_runtimes() -> None:
     """[Note: idle CPU]: the wake-ups the simulator charges a crowded node (core.policy.backoff_wakes_ms) are those
     of the runtime's Backoff replayed from the end of a rank's work: its spin, then sleeps of 20 us doubling until

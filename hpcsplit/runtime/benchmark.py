@@ -25,9 +25,10 @@ import torch
 
 from hpcsplit.core.load import level_arrivals
 from hpcsplit.core.profile_format import read_profile
-from hpcsplit.runtime.context import RankContext, say, settle_heap
+from hpcsplit.runtime.context import RankContext, say
 from hpcsplit.runtime.faults import job_process
 from hpcsplit.runtime.frontend import Frontend, request_getter
+from hpcsplit.runtime.heap import settle_heap
 from hpcsplit.runtime.loadgen import LevelSummary, arrival_times, format_table, improvement_rows, summarize
 from hpcsplit.runtime.routing import critical_path_ms, graph_from_switchboard
 from hpcsplit.runtime.threads import cpu_seconds_of

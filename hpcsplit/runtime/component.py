@@ -25,8 +25,9 @@ from hpcsplit.runtime import faults
 from hpcsplit.runtime import mailbox as mb
 from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import Batcher, JoinBuffer, ReadyRequest, Row, stack_rows, take_requests
-from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say, settle_heap
+from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
 from hpcsplit.runtime.faults import COMPONENT_SIGNAL_GRACE_S, JobInterrupted, stop_signal
+from hpcsplit.runtime.heap import settle_heap
 from hpcsplit.runtime.routing import OUTPUT, WHOLE, Dataflow
 from hpcsplit.runtime.settings import FaultSettings
 from hpcsplit.runtime.threads import cpu_seconds

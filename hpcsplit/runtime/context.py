@@ -8,7 +8,6 @@ benchmark (:mod:`~hpcsplit.runtime.benchmark`) take it instead of the config dic
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,24 +69,6 @@ class RankContext:
         """This rank's tracer (``runtime.trace``)."""
         tr = self.runtime.trace
         return Tracer(self.rank, tr.start_step, tr.end_step, label)
-
-
-def settle_heap() -> None:
-    """Collect what loading left behind, then freeze every object alive (``gc.freeze``): the cyclic collector's full
-    passes while serving scan only what was made since.
-
-    [Note: frozen heap]
-    A rank holds some 250,000 objects once torch and its programs are loaded, and a full pass of Python's cyclic
-    collector over them took 56-67 ms on the development VM (one pass of generation 2; generations 0 and 1 take
-    under 0.1 ms).  One comes each time the objects that outlived two younger passes reach a quarter of those,
-    whenever that falls; in the toy's bench (160,000 requests) the frontend's came just after its last level (82
-    ms), and a long-lived server meets them while it serves: every request then in flight, or arriving, waits for
-    it.  Frozen objects are never scanned (nor freed by the collector: loading's cycles are collected first), so a
-    full pass afterwards covers only the objects serving made: 0.02-1.3 ms in the same bench, the frontend's
-    after its levels 11 ms.  Called by every rank before each variant serves, and by the bench before each level.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def say(rank: int, msg: str) -> None:

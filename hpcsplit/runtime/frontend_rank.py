@@ -35,9 +35,10 @@ from hpcsplit.runtime.batch_stream import (
     peak_rss_mb,
 )
 from hpcsplit.runtime.batching import take_requests
-from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say, settle_heap
+from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
 from hpcsplit.runtime.faults import JobInterrupted, RankSilentError, chain_requeue, lost_ranks
 from hpcsplit.runtime.frontend import STATUS_ERROR, STATUS_TIMEOUT, Frontend, SessionResult, request_getter
+from hpcsplit.runtime.heap import settle_heap
 from hpcsplit.runtime.routing import Dataflow
 from hpcsplit.runtime.server.serve import run_server
 

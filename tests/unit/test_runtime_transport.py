@@ -174,7 +174,7 @@ def test_settle_heap_collects_the_garbage_and_freezes_the_rest() -> None:
     import gc
     import weakref
 
-    from hpcsplit.runtime.context import settle_heap
+    from hpcsplit.runtime.heap import settle_heap
 
     class Node:
         def __init__(self) -> None:

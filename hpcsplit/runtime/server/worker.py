@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Any
 
+from hpcsplit.runtime.heap import settle_heap
 from hpcsplit.runtime.server import channel as ch
 from hpcsplit.runtime.server.hub import Hub, Ticket
 from hpcsplit.runtime.server.protocol import InferRequest, RequestRejected
@@ -180,6 +181,7 @@ async def _serve(sock: socket.socket, index: int) -> int:
     tls = load_tls(cfg["tls_cert"], cfg["tls_key"])
     srv = Servers(hub, cfg["host"], cfg["http_port"], cfg["grpc_port"], cfg["max_body"], tls, reuse_port=True)
     await srv.start()
+    settle_heap()  # [Note: frozen heap]
     # ready once listening: the frontend checked the model before it started the workers, and it refuses
     # what reaches it before its own hub is ready; draining and failure come with its STATE frames
     hub.ready.set()

@@ -288,6 +288,7 @@ def free_device_copy(sb: Any, name: str, dev: Any) -> None:
     forget = getattr(sb, "unload", None)
     if forget is not None:
         forget(name, dev)
+    gc.unfreeze()  # a program frozen while it served is a cycle the collector skips ([Note: frozen heap])
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -65,8 +65,10 @@ its spin's 0.05.  At 2,048 req/s through the toy's seven ranks on two cores the 
 (0.9 ms of CPU per request for 0.11 ms of compute); charging the wake-ups raised the simulated p50 there by
 2-20 %, a part of what it missed (docs/simulate.md, "Measured").  On a crowded node (more ranks than cores) each
 wake-up also runs cold, other ranks having run on the core since the last: the curve (measured with a core for
-each rank) has each of a backoff's six wake-ups before its doorbell sleep (:func:`~hpcsplit.core.policy.backoff_wakes_ms`)
-cost ``cpu.evicted_us_per_wake`` more there, in the span that ends with it.
+each rank) has each of a backoff's wake-ups before its doorbell sleep (six after a 50 us spin,
+:func:`~hpcsplit.core.policy.backoff_wakes_ms`) cost ``cpu.evicted_us_per_wake`` more there, spread over the sleep it
+ends.  Charged as a share of a core like the rest, it is an average: a backoff that work ends half-way through a
+sleep has paid half of that wake-up, and it is paid whether or not another rank ran in that sleep.
 
 Evicted caches (``[Note: evicted caches]`` in :mod:`hpcsplit.launch.calibrate_run`): on a node with more ranks than
 cores, every rank's job (a frontend turn, a batch) marks the node's other ranks evicted; an evicted rank's next
@@ -344,14 +346,20 @@ class _Sim:
         base = [spin_ms, *(g for g in c.gaps_ms if g > spin_ms)]
         rate = [max(0.0, c.at(b) - c.at(a)) / (b - a) for a, b in itertools.pairwise(base)]  # per curve span
         wakes = backoff_wakes_ms(spin_s * 1e6) if per_wake_s > 0 else ()
-        # the curve's CPU spread evenly over each of its spans (as without wake-ups); each wake-up's extra in the
-        # span that ends with it
+        starts = (spin_ms, *wakes[:-1])  # the sleep each wake-up ends
+        # the curve's CPU spread evenly over each of its spans (as without wake-ups), each wake-up's extra over the
+        # sleep it ends; at most a core, what a span cannot take goes into the next
         points = sorted({*base, *wakes})
         out = []
+        carry = 0.0
         for a, b in itertools.pairwise(points):
             k = bisect.bisect_right(base, a) - 1  # the curve span (a, b] lies in (none past its last point)
-            n = bisect.bisect_right(wakes, b) - bisect.bisect_right(wakes, a)
-            w = min(1.0, (rate[k] if k < len(rate) else 0.0) + n * per_wake_s * 1e3 / (b - a))
+            j = bisect.bisect_left(wakes, b)  # ... and the sleep
+            cpu = (rate[k] if k < len(rate) else 0.0) * (b - a) + carry
+            if j < len(wakes):
+                cpu += per_wake_s * 1e3 * (b - a) / (wakes[j] - starts[j])
+            w = min(1.0, cpu / (b - a))
+            carry = cpu - w * (b - a)
             out.append(((b - a) / 1e3, w))
         while out and out[-1][1] <= 0.0:
             out.pop()

@@ -26,7 +26,8 @@ each chain the components run the runtime's own loop (``serve_component``) on ``
    component and the whole model at batch 1, back to back and after ``program_gaps_ms`` idle;
 6. **shared core** (``[Note: evicted caches]``): rank 0 and the first other rank of its node pinned to one core;
    a rank's turn (take a message, a program, send its outputs; no program: the frontend's turn) straight after
-   the other rank's turn there, against the same turn warm.
+   the other rank's turn there, against the same turn warm; and an idle rank's wake-up that finds nothing, in
+   CPU time, after a sleep the other rank's turn ran in, against the same wake-up warm.
 
 After an idle gap (4 and 5) a program's inputs are received first, through the runtime's receive code, and only the
 program is timed (``[Note: cold extra after a receive]``).
@@ -301,8 +302,12 @@ class _Job:
 
 WAKE: Any = object()  # the shared-core step's work item for an idle rank's wake-up (no program, no message)
 SHORT_RUNS = 25  # pairs of the turn with no program and of the wake-up (calibrate.program_runs, if more)
-WAKE_SLEEP_S = 160e-6  # ... its sleep: the fourth of a backoff (from 100 us on, a doorbell's)
-SHARED_CORE_TAG = 7401  # the shared-core step's set-up (the core, rank 0 -> its peer; whether it could pin, back)
+WAKE_SLEEP_S = 160e-6  # the warm wake-up's sleep: the fourth of a backoff (from 100 us on, a doorbell's)
+WAKE_COLD_SLEEP_S = 3e-3  # the cold one's: the peer's turn runs in it (its own wait may be in a 1 ms sleep)
+WAKE_PEER_SLEEP_S = 5e-3  # the peer's sleep after its turn: through rank 0's two timed wake-ups
+# the shared-core step's set-up (the core, rank 0 -> its peer; whether it could pin, back) and the peer's answers
+# to the wake-up item (a tag of their own: the doorbell's probe of TAG_HEADER must not see them)
+SHARED_CORE_TAG = 7401
 
 
 def _take_one(inbox: Inbox) -> Any:
@@ -319,8 +324,8 @@ def _take_one(inbox: Inbox) -> Any:
 
 
 def _recv_setup(comm: Any, source: int, what: str, timeout_s: float = 300.0) -> Any:
-    """The shared-core step's set-up message from ``source``, waited for without spinning (a blocking receive
-    spins in MPICH, on the core the other rank is moving to), within ``timeout_s``."""
+    """The shared-core step's message from ``source`` (its set-up, a wake-up item's answer), waited for without
+    spinning (a blocking receive spins in MPICH, on the core the other rank is moving to), within ``timeout_s``."""
     deadline = time.perf_counter() + timeout_s
     while True:
         m = comm.improbe(source=source, tag=SHARED_CORE_TAG)
@@ -349,8 +354,8 @@ class _SharedCore:
     frontend's) rank 0 times a rank's turn (take a message, the program on its tensors, send the outputs; to
     itself, on a communicator of its own) straight after the peer's turn on that core (it takes a message, runs
     the same program on its own inputs, answers with a small message and sleeps through rank 0's two turns),
-    then the same turn again at once (warm).  ``os.sched_setaffinity`` pins the ranks' main threads (the ones
-    that run the turns; a doorbell's thread stays where it was).  The fit takes the median of the pairs'
+    then the same turn again at once (warm).  ``os.sched_setaffinity`` pins the calling thread, the one that runs
+    the turns (torch's other threads, if any, stay where they were).  The fit takes the median of the pairs'
     differences (``[Note: cold extra in pairs]``); the simulator charges it to a rank's batch when another rank
     of its crowded node has worked since (``[Note: run queues]`` in :mod:`hpcsplit.core.simulator`).  A first version evicted the caches
     by writing twice the L2 in this process; that took the toy's turns 170-420 us, about twice what the bench
@@ -359,9 +364,12 @@ class _SharedCore:
     An idle rank pays it too: its backoff wakes it some six times in the first 1.3 ms after its work (20 us
     doubling, ``mailbox.Backoff``), and on a crowded node other ranks ran on its core between two wake-ups.  So
     the step also times a wake-up that finds nothing (a backoff's sleep, on the doorbell where there is one, and a
-    poll) after the peer's turn (one with no program) and warm, in the thread's CPU time (``time.thread_time``: the kernel's part of the sleep counts, the
-    sleep itself does not); the simulator adds the difference to each wake-up of an idle rank on a crowded node
-    (``[Note: idle CPU]``).
+    poll), cold (the peer's turn, one with no program, ran while this rank slept) and warm, in the thread's CPU
+    time (``time.thread_time``: the kernel's part of the sleep counts, the sleep itself does not;
+    :meth:`_wake_pairs`); the simulator adds the difference to each wake-up of an idle rank on a crowded node
+    (``[Note: idle CPU]``).  A first version waited for the peer's answer with an MPI probe before the timed
+    wake-up, which warmed the very calls the wake-up makes, and let the peer wake during the warm one: 14 us, where
+    this gives 3.7 us in the same hour.
     """
 
     def __init__(self, comm: Any, peer: int, runs: int, db: Any = None) -> None:
@@ -401,57 +409,42 @@ class _SharedCore:
             return None
         selfc = MPI.COMM_SELF.Dup()
         inbox = Inbox(selfc)
-        world, db = Inbox(comm), self.db
         out: dict[str, Any] = {"core": pinned[1], "programs": {}}
         try:
             for i, (name, fn, args) in enumerate(work):
                 cold: list[float] = []
                 warm: list[float] = []
-                wake = fn is WAKE
-                # the turns without a program take a few ms a pair: more pairs for a steadier median
-                for _ in range(self.runs if fn is not None and not wake else max(self.runs, SHORT_RUNS)):
+                if fn is WAKE:  # an idle rank's wake-up
+                    out["wake"] = self._wake_pairs(i, max(self.runs, SHORT_RUNS), Inbox(comm))
+                    continue
+                # the turn without a program takes a few ms a pair: more pairs for a steadier median
+                for _ in range(self.runs if fn is not None else max(self.runs, SHORT_RUNS)):
                     for into in (cold, warm):
-                        h_in = None if wake else tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (),
-                                                                  list(enumerate(args)))
+                        h_in = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(args)))
                         if into is cold:  # the peer's turn on this core, then this rank's
                             tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=i)
                             # asleep while the peer's turn (about this rank's warm one) runs: polls would warm this
                             # rank's receive path on the core
                             time.sleep(min(1.0, 0.3e-3 + 2 * (warm[-1] if warm else 0.0) / 1e3))
                             deadline = time.perf_counter() + 30.0
-                            while not comm.Iprobe(source=peer, tag=SHARED_CORE_TAG if wake else tp.TAG_HEADER):
+                            while not comm.Iprobe(source=peer, tag=tp.TAG_HEADER):
                                 if time.perf_counter() > deadline:
                                     raise CalibrationError(f"calibration: rank {peer} did not answer within 30 s on "
                                                            f"the core it shares with rank 0; is it stopped or dead?")
                                 time.sleep(20e-6)  # (asleep: the core is the peer's)
-                        if wake:  # a backoff's wake-up that finds nothing: its CPU, the kernel's part included
-                            c0 = time.thread_time()
-                            if db is not None:  # as mailbox.Backoff sleeps from 100 us on
-                                db.sleep(WAKE_SLEEP_S, db.probe_header)
-                            else:
-                                time.sleep(WAKE_SLEEP_S)
-                            if world.poll():
-                                raise CalibrationError("calibration: a message came to a poll that expects none")
-                            into.append((time.thread_time() - c0) * 1e3)
-                        else:
-                            t0 = time.perf_counter()
-                            msg = _take_one(inbox)
-                            h = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(
-                                _outputs(msg.tensors if fn is None else fn(*msg.tensors)))))
-                            into.append((time.perf_counter() - t0) * 1e3)
-                            _take_one(inbox)  # the outputs, untimed
-                            h.wait()
-                            assert h_in is not None
-                            h_in.wait()
-                        if into is cold and wake:  # the peer's answer (on a tag of its own: the doorbell's
-                            comm.recv(source=peer, tag=SHARED_CORE_TAG)  # probe must not see it)
-                        elif into is cold:
+                        t0 = time.perf_counter()
+                        msg = _take_one(inbox)
+                        h = tp.isend_message(selfc, 0, tp.KIND_DATA, (0,), (), list(enumerate(
+                            _outputs(msg.tensors if fn is None else fn(*msg.tensors)))))
+                        into.append((time.perf_counter() - t0) * 1e3)
+                        _take_one(inbox)  # the outputs, untimed
+                        h.wait()
+                        h_in.wait()
+                        if into is cold:
                             tp.recv_message(comm, source=peer, timeout_s=30.0)  # the peer's answer
                 pairs = {"evicted_ms": cold, "warm_ms": warm}
                 if fn is None:  # the turn with no program: the frontend's
                     out["turn"] = pairs
-                elif wake:  # an idle rank's wake-up
-                    out["wake"] = pairs
                 else:
                     out["programs"][name] = pairs
         finally:
@@ -459,6 +452,45 @@ class _SharedCore:
             selfc.Free()
             self.unpin(pinned[0])
         return out
+
+    def _wake_pairs(self, item: int, n: int, world: Inbox) -> dict[str, list[float]]:
+        """``n`` pairs of (an idle rank's wake-up after the peer's turn, the same warm), thread CPU ms.
+
+        The wake-up is a backoff's (a sleep, on the doorbell where there is one, then a poll that finds nothing).
+        The cold one's sleep is where the peer's turn runs (asked for just before), as other ranks run on a crowded
+        node's core while a rank sleeps; the warm one follows at once, while the peer sleeps.  A pair whose peer
+        turn ended after the cold sleep, or whose peer woke before the warm one ended (its answer says when), is
+        left out and measured again (at most ``3 n`` tries).
+        """
+        comm, peer, db = self.comm, self.peer, self.db
+        cold: list[float] = []
+        warm: list[float] = []
+
+        def wake(sleep_s: float) -> None:
+            if db is not None:  # as mailbox.Backoff sleeps from 100 us on
+                db.sleep(sleep_s, db.probe_header)
+            else:
+                time.sleep(sleep_s)
+            if world.poll():
+                raise CalibrationError("calibration: a message came to a poll that expects none")
+
+        for _ in range(3 * n):
+            tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=item)
+            c0 = time.thread_time()
+            wake(WAKE_COLD_SLEEP_S)
+            c1 = time.thread_time()
+            t_cold = time.perf_counter()
+            wake(WAKE_SLEEP_S)
+            c2 = time.thread_time()
+            t_end = time.perf_counter()
+            turn_end, asleep_until = _recv_setup(comm, peer, "its answer (the shared-core step)", 30.0)
+            if turn_end < t_cold and asleep_until > t_end:
+                cold.append((c1 - c0) * 1e3)
+                warm.append((c2 - c1) * 1e3)
+                if len(cold) == n:
+                    break
+            time.sleep(max(0.0, asleep_until - time.perf_counter()) + 1e-4)  # the peer awake for the next turn
+        return {"evicted_ms": cold, "warm_ms": warm}
 
     def follow(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> None:
         """The peer: pinned to rank 0's core, it runs a turn of program ``aux`` each time rank 0 asks (takes the
@@ -482,10 +514,12 @@ class _SharedCore:
                     fn(*args)
                 # a small answer: a large one would keep this rank polling its send, on rank 0's core, until rank 0
                 # takes it (after its timed turn)
-                if fn is WAKE:
-                    comm.send(None, dest=0, tag=SHARED_CORE_TAG)
-                else:
-                    tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
+                if fn is WAKE:  # when its turn ended, and until when it sleeps: rank 0 checks its timed wake-ups
+                    until = time.perf_counter() + WAKE_PEER_SLEEP_S  # came after the one and before the other
+                    comm.send((time.perf_counter(), until), dest=0, tag=SHARED_CORE_TAG)
+                    time.sleep(max(0.0, until - time.perf_counter()))
+                    continue
+                tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
                 # asleep through rank 0's two timed turns (a backoff's wake-ups would run on its core meanwhile)
                 time.sleep(min(1.0, 0.5e-3 + 4 * (time.perf_counter() - t0)))
         finally:

@@ -27,7 +27,7 @@ from hpcsplit.runtime import transport as tp
 from hpcsplit.runtime.batching import Batcher, JoinBuffer, ReadyRequest, Row, stack_rows, take_requests
 from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
 from hpcsplit.runtime.faults import COMPONENT_SIGNAL_GRACE_S, JobInterrupted, stop_signal
-from hpcsplit.runtime.heap import settle_heap
+from hpcsplit.runtime.heap import settle_heap, thaw_heap
 from hpcsplit.runtime.routing import OUTPUT, WHOLE, Dataflow
 from hpcsplit.runtime.settings import FaultSettings
 from hpcsplit.runtime.threads import cpu_seconds
@@ -469,6 +469,7 @@ def run_component_rank(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -
                              row_errors=rt.mode == "batch", stats_every_s=1.0 if server else None,
                              spin_s=ctx.spin_s, silence_s=rt.silence_s if server else None,
                              quiet_limit_s=rt.wait_bound_s)
+        thaw_heap()  # this variant's program may go now ([Note: frozen heap])
         st["variant"] = vname
         if vname != variants[-1][0]:  # a rank stopped in this variant is named within wait_bound_s, not the
             ctx.barrier(f"{vname}: serving ended", rt.wait_bound_s)  # next variant's load_timeout_s

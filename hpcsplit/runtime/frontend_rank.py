@@ -38,7 +38,7 @@ from hpcsplit.runtime.batching import take_requests
 from hpcsplit.runtime.context import FLOOR_WAIT_SLEEP_S, TAG_STATS, RankContext, floor_turns, say
 from hpcsplit.runtime.faults import JobInterrupted, RankSilentError, chain_requeue, lost_ranks
 from hpcsplit.runtime.frontend import STATUS_ERROR, STATUS_TIMEOUT, Frontend, SessionResult, request_getter
-from hpcsplit.runtime.heap import settle_heap
+from hpcsplit.runtime.heap import settle_heap, thaw_heap
 from hpcsplit.runtime.routing import Dataflow
 from hpcsplit.runtime.server.serve import run_server
 
@@ -160,6 +160,7 @@ def run_frontend(ctx: RankContext, variants: list[tuple[str, Dataflow]]) -> dict
         finally:
             next_id = fe.next_id
         fe.stop_all(rt.wait_bound_s)
+        thaw_heap()  # [Note: frozen heap]
         if vname != variants[-1][0]:  # a rank stopped in this variant is named within wait_bound_s
             ctx.barrier(f"{vname}: serving ended", rt.wait_bound_s, fe.drop_strays)
     assert fe is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-__all__ = ["settle_heap"]
+__all__ = ["settle_heap", "thaw_heap"]
 
 
 def settle_heap() -> None:
@@ -17,10 +17,22 @@ def settle_heap() -> None:
     under 0.1 ms).  One comes each time the objects that outlived two younger passes reach a quarter of those,
     whenever that falls; in the toy's bench (160,000 requests) the frontend's came just after its last level (82
     ms), and a long-lived server meets them while it serves: every request then in flight, or arriving, waits for
-    it.  Frozen objects are never scanned (nor freed by the collector: loading's cycles are collected first), so a
-    full pass afterwards covers only the objects serving made: 0.02-1.3 ms in the same bench, the frontend's
-    after its levels 11 ms.  Called by every rank before each variant serves, by the bench before each level, and
-    by a protocol worker once it listens (no torch there: 11 ms a full pass before).
+    it.  Frozen objects are never scanned, so a full pass afterwards covers only the objects serving made: 0.02-1.3
+    ms in the same bench, the frontend's after its levels 11 ms.  Called by every rank before each variant serves,
+    by the bench before each level, and by a protocol worker once it listens (no torch there: 11 ms a full pass
+    before).
+
+    The collector never frees a frozen object either, even once nothing refers to it, and a loaded program is a
+    cycle (a ``GraphModule`` and its graph point at each other).  So what a call froze is unfrozen first (what
+    died since goes in this pass: 60-85 ms between variants and levels, not while serving), and
+    :func:`thaw_heap` ends each variant, before its program is dropped: a GPU rank gives its slice back before
+    the next variant loads (``core.device.free_device_copy`` unfreezes too).
     """
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Let the collector free again what :func:`settle_heap` froze (``[Note: frozen heap]``): a variant's end."""
+    gc.unfreeze()

@@ -170,11 +170,12 @@ def test_a_long_spin_yields_the_core_past_the_short_one(monkeypatch: pytest.Monk
 
 def test_settle_heap_collects_the_garbage_and_freezes_the_rest() -> None:
     """[Note: frozen heap]: a cycle dropped before the call is collected (not frozen for good), what is alive is
-    frozen (a full pass no longer scans it), and what is made afterwards is collected as usual."""
+    frozen (a full pass no longer scans it), and what is made afterwards is collected as usual; a frozen cycle
+    dropped later (a variant's program) is freed by the next call, or by a pass after thaw_heap."""
     import gc
     import weakref
 
-    from hpcsplit.runtime.heap import settle_heap
+    from hpcsplit.runtime.heap import settle_heap, thaw_heap
 
     class Node:
         def __init__(self) -> None:
@@ -195,28 +196,45 @@ def test_settle_heap_collects_the_garbage_and_freezes_the_rest() -> None:
         del later
         gc.collect()
         assert ref() is None
+        for free in ("settle", "thaw"):  # a frozen cycle, dropped: freed at the next variant's start, or its end
+            kept = Node()
+            ref = weakref.ref(kept)
+            settle_heap()
+            del kept
+            gc.collect()
+            assert ref() is not None  # frozen: the collector skips it
+            if free == "settle":
+                settle_heap()
+            else:
+                thaw_heap()
+                gc.collect()
+            assert ref() is None
     finally:
         gc.unfreeze()
 
 
-def test_the_simulators_backoff_wakes_are_the_runtimes() -> None:
+def test_the_simulators_backoff_wakes_are_the_runtimes(monkeypatch: pytest.MonkeyPatch) -> None:
     """[Note: idle CPU]: the wake-ups the simulator charges a crowded node (core.policy.backoff_wakes_ms) are those
-    of the runtime's Backoff replayed from the end of a rank's work: its spin, then sleeps of 20 us doubling until
-    it has been idle QUIET_AFTER_S (then a quiet rank sleeps on its doorbell)."""
-    from hpcsplit.core.policy import QUIET_AFTER_S, backoff_wakes_ms
+    of the runtime's Backoff of a quiet rank with a doorbell, replayed from the end of its work until it takes its
+    quiet sleep on the doorbell: its spin, then sleeps of 20 us doubling (none after a spin of 1 ms or more)."""
+    import types
 
-    assert QUIET_AFTER_S == mb.QUIET_AFTER_S
-    for spin_s in (mb.SPIN_S, 0.0, 0.3e-3):
+    from hpcsplit.core.policy import backoff_wakes_ms
+
+    bell = types.SimpleNamespace(quiet_sleep_s=mb.DOORBELL_QUIET_SLEEP_S, all_local=True)
+    monkeypatch.setattr(mb, "_DOORBELL", bell)
+    for spin_s in (mb.SPIN_S, 0.0, 0.3e-3, 0.99e-3, mb.SERVER_SPIN_S):
         b = mb.Backoff(spin_s=spin_s)
         now, wakes = 5.0, []
         while True:
-            s, _ = b.plan(now)
+            s, _ = b.plan(now, quiet=True)
+            if s == bell.quiet_sleep_s:  # asleep until rung
+                break
             now += s if s > 0 else 1e-7  # a spin polls until spin_s has passed
             if s > 0:
                 wakes.append((now - 5.0) * 1e3)
-                if now - 5.0 >= mb.QUIET_AFTER_S:
-                    break
-        assert backoff_wakes_ms(spin_s * 1e6) == pytest.approx(wakes, abs=1e-3)
+        assert backoff_wakes_ms(spin_s * 1e6) == pytest.approx(wakes, abs=1e-3), spin_s
+    assert backoff_wakes_ms(mb.SPIN_S * 1e6) == pytest.approx([0.07, 0.11, 0.19, 0.35, 0.67, 1.31])
 
 
 @pytest.mark.gpu

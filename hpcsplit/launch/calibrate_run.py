@@ -301,10 +301,11 @@ class _Job:
 
 
 WAKE: Any = object()  # the shared-core step's work item for an idle rank's wake-up (no program, no message)
-SHORT_RUNS = 25  # pairs of the turn with no program and of the wake-up (calibrate.program_runs, if more)
+SHORT_RUNS = 100  # pairs of the turn with no program and of the wake-up (calibrate.program_runs, if more)
 WAKE_SLEEP_S = 160e-6  # the warm wake-up's sleep: the fourth of a backoff (from 100 us on, a doorbell's)
 WAKE_COLD_SLEEP_S = 3e-3  # the cold one's: the peer's turn runs in it (its own wait may be in a 1 ms sleep)
-WAKE_PEER_SLEEP_S = 5e-3  # the peer's sleep after its turn: through rank 0's two timed wake-ups
+WAKE_PEER_SLEEP_S = 5e-3  # the peer's sleep after its turn (and its turn's time again): through rank 0's two wake-ups
+WAKE_BUDGET_S = 10.0  # no more wake-up pairs begun after this (once calibrate.program_runs are in)
 # the shared-core step's set-up (the core, rank 0 -> its peer; whether it could pin, back) and the peer's answers
 # to the wake-up item (a tag of their own: the doorbell's probe of TAG_HEADER must not see them)
 SHARED_CORE_TAG = 7401
@@ -364,12 +365,12 @@ class _SharedCore:
     An idle rank pays it too: its backoff wakes it some six times in the first 1.3 ms after its work (20 us
     doubling, ``mailbox.Backoff``), and on a crowded node other ranks ran on its core between two wake-ups.  So
     the step also times a wake-up that finds nothing (a backoff's sleep, on the doorbell where there is one, and a
-    poll), cold (the peer's turn, one with no program, ran while this rank slept) and warm, in the thread's CPU
+    poll), cold (the peer's turn, with each program in turn, ran while this rank slept) and warm, in the thread's CPU
     time (``time.thread_time``: the kernel's part of the sleep counts, the sleep itself does not;
     :meth:`_wake_pairs`); the simulator adds the difference to each wake-up of an idle rank on a crowded node
     (``[Note: idle CPU]``).  A first version waited for the peer's answer with an MPI probe before the timed
-    wake-up, which warmed the very calls the wake-up makes, and let the peer wake during the warm one: 14 us, where
-    this gives 3.7 us in the same hour.
+    wake-up, which warmed the very calls the wake-up makes, and let the peer wake during the warm one; with a peer
+    turn that runs no program the toy's wake-ups came out 2.2 us over warm (100 pairs, twice).
     """
 
     def __init__(self, comm: Any, peer: int, runs: int, db: Any = None) -> None:
@@ -414,8 +415,9 @@ class _SharedCore:
             for i, (name, fn, args) in enumerate(work):
                 cold: list[float] = []
                 warm: list[float] = []
-                if fn is WAKE:  # an idle rank's wake-up
-                    out["wake"] = self._wake_pairs(i, max(self.runs, SHORT_RUNS), Inbox(comm))
+                if fn is WAKE:  # an idle rank's wake-up, the peer's turns running the programs in turn
+                    progs = [k for k, w in enumerate(work) if w[1] is not None and w[1] is not WAKE]
+                    out["wake"] = self._wake_pairs(i, max(self.runs, SHORT_RUNS), Inbox(comm), progs)
                     continue
                 # the turn without a program takes a few ms a pair: more pairs for a steadier median
                 for _ in range(self.runs if fn is not None else max(self.runs, SHORT_RUNS)):
@@ -453,18 +455,22 @@ class _SharedCore:
             self.unpin(pinned[0])
         return out
 
-    def _wake_pairs(self, item: int, n: int, world: Inbox) -> dict[str, list[float]]:
+    def _wake_pairs(self, item: int, n: int, world: Inbox, progs: list[int]) -> dict[str, list[float]]:
         """``n`` pairs of (an idle rank's wake-up after the peer's turn, the same warm), thread CPU ms.
 
         The wake-up is a backoff's (a sleep, on the doorbell where there is one, then a poll that finds nothing).
         The cold one's sleep is where the peer's turn runs (asked for just before), as other ranks run on a crowded
-        node's core while a rank sleeps; the warm one follows at once, while the peer sleeps.  A pair whose peer
-        turn ended after the cold sleep, or whose peer woke before the warm one ended (its answer says when), is
-        left out and measured again (at most ``3 n`` tries).
+        node's core while a rank sleeps; the warm one follows at once, while the peer sleeps.  The peer's turns run
+        the programs of ``progs`` (indices into the work list) in turn, as a crowded node's other ranks run theirs
+        (none: a turn with no program).  A pair whose peer turn ended after the cold sleep, or whose peer woke
+        before the warm one ended (its answer says when), is left out and measured again; at most ``3 n`` tries,
+        and none begun after :data:`WAKE_BUDGET_S` once ``runs`` pairs are in.
         """
         comm, peer, db = self.comm, self.peer, self.db
         cold: list[float] = []
         warm: list[float] = []
+        took = dict.fromkeys(progs, 0.0)  # each program's last turn on the peer (s): the cold sleep covers it
+        t_stop = time.perf_counter() + WAKE_BUDGET_S
 
         def wake(sleep_s: float) -> None:
             if db is not None:  # as mailbox.Backoff sleeps from 100 us on
@@ -474,16 +480,20 @@ class _SharedCore:
             if world.poll():
                 raise CalibrationError("calibration: a message came to a poll that expects none")
 
-        for _ in range(3 * n):
-            tp.send_message(comm, peer, tp.KIND_DATA, (0,), (), [(0, self.x)], aux=item)
+        for k in range(3 * n):
+            if len(cold) >= self.runs and time.perf_counter() > t_stop:
+                break
+            prog = progs[k % len(progs)] if progs else -1
+            tp.send_message(comm, peer, tp.KIND_DATA, (prog,), (), [(0, self.x)], aux=item)
             c0 = time.thread_time()
-            wake(WAKE_COLD_SLEEP_S)
+            wake(WAKE_COLD_SLEEP_S + 1.5 * took.get(prog, 0.0))
             c1 = time.thread_time()
             t_cold = time.perf_counter()
             wake(WAKE_SLEEP_S)
             c2 = time.thread_time()
             t_end = time.perf_counter()
-            turn_end, asleep_until = _recv_setup(comm, peer, "its answer (the shared-core step)", 30.0)
+            turn_s, turn_end, asleep_until = _recv_setup(comm, peer, "its answer (the shared-core step)", 300.0)
+            took[prog] = turn_s
             if turn_end < t_cold and asleep_until > t_end:
                 cold.append((c1 - c0) * 1e3)
                 warm.append((c2 - c1) * 1e3)
@@ -510,15 +520,19 @@ class _SharedCore:
                     return
                 _name, fn, args = work[m.header.aux]
                 t0 = time.perf_counter()
-                if fn is not None and fn is not WAKE:
+                if fn is WAKE:  # the program rank 0 names (if any); then how long it took, when it ended and until
+                    prog = m.header.request_ids[0]  # when this rank sleeps: rank 0 checks that its timed wake-ups
+                    if 0 <= prog < len(work):  # came after the one and before the other
+                        work[prog][1](*work[prog][2])
+                    turn_s = time.perf_counter() - t0
+                    until = time.perf_counter() + WAKE_PEER_SLEEP_S + turn_s
+                    comm.send((turn_s, time.perf_counter(), until), dest=0, tag=SHARED_CORE_TAG)
+                    time.sleep(max(0.0, until - time.perf_counter()))
+                    continue
+                if fn is not None:
                     fn(*args)
                 # a small answer: a large one would keep this rank polling its send, on rank 0's core, until rank 0
                 # takes it (after its timed turn)
-                if fn is WAKE:  # when its turn ended, and until when it sleeps: rank 0 checks its timed wake-ups
-                    until = time.perf_counter() + WAKE_PEER_SLEEP_S  # came after the one and before the other
-                    comm.send((time.perf_counter(), until), dest=0, tag=SHARED_CORE_TAG)
-                    time.sleep(max(0.0, until - time.perf_counter()))
-                    continue
                 tp.send_message(comm, 0, tp.KIND_DATA, (0,), (), [(0, self.x)])
                 # asleep through rank 0's two timed turns (a backoff's wake-ups would run on its core meanwhile)
                 time.sleep(min(1.0, 0.5e-3 + 4 * (time.perf_counter() - t0)))

@@ -41,8 +41,11 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
     assert cal.compute_gflops[1] > 0 and cal.corun_slowdown[0] == 1.0
     raw = json.loads((tmp_path / "run" / "calibration.raw.json").read_text())
     assert {"pingpong", "one", "two", "saturation b1", "saturation b32", "turns"} <= set(raw["chains"])
-    turns = raw["chains"]["turns"]["turns"]  # one request in flight: an admitting pass and an answering pass each
-    assert turns["requests"] > 0 and 2 * turns["requests"] - 2 <= turns["turns"] <= 2 * turns["requests"] + 2
+    # one request in flight: an admitting pass and an answering pass each (now and then, on a busy machine, a pass
+    # takes an answer and admits the next request at once: 594 passes for 300 requests was seen)
+    turns = raw["chains"]["turns"]["turns"]
+    n = turns["requests"]
+    assert n > 0 and 2 * n - max(2, n // 25) <= turns["turns"] <= 2 * n + 2
     assert turns["turn_cpu_s"] > 0 and raw["chains"]["saturation b1"]["saturation"]["turns"] > 0
     one_way = raw["chains"]["pingpong"]["gap 20"]["one_way_ms"]
     assert len(one_way) >= 3 and np.isfinite(one_way).all()  # the replica's stamp: one clock on one node

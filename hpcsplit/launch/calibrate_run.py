@@ -302,9 +302,9 @@ class _Job:
 
 WAKE: Any = object()  # the shared-core step's work item for an idle rank's wake-up (no program, no message)
 SHORT_RUNS = 100  # pairs of the turn with no program and of the wake-up (calibrate.program_runs, if more)
-WAKE_SLEEP_S = 160e-6  # the warm wake-up's sleep: the fourth of a backoff (from 100 us on, a doorbell's)
-WAKE_COLD_SLEEP_S = 3e-3  # the cold one's: the peer's turn runs in it (its own wait may be in a 1 ms sleep)
-WAKE_PEER_SLEEP_S = 5e-3  # the peer's sleep after its turn (and its turn's time again): through rank 0's two wake-ups
+WAKE_COLD_SLEEP_S = 3e-3  # a wake-up's sleep (both): the peer's turn runs in the cold one (its own wait for the
+# request may be in a 1 ms sleep), with 1.5 times the program's last turn on it
+WAKE_MARGIN_S = 1e-3  # the peer sleeps rank 0's two sleeps and this after its turn
 WAKE_BUDGET_S = 10.0  # no more wake-up pairs begun after this (once calibrate.program_runs are in)
 # the shared-core step's set-up (the core, rank 0 -> its peer; whether it could pin, back) and the peer's answers
 # to the wake-up item (a tag of their own: the doorbell's probe of TAG_HEADER must not see them)
@@ -370,7 +370,7 @@ class _SharedCore:
     :meth:`_wake_pairs`); the simulator adds the difference to each wake-up of an idle rank on a crowded node
     (``[Note: idle CPU]``).  A first version waited for the peer's answer with an MPI probe before the timed
     wake-up, which warmed the very calls the wake-up makes, and let the peer wake during the warm one; with a peer
-    turn that runs no program the toy's wake-ups came out 2.2 us over warm (100 pairs, twice).
+    turn that runs no program the toy's wake-ups came out 2.2 us over warm (100 pairs, twice); as here, 14-16 us.
     """
 
     def __init__(self, comm: Any, peer: int, runs: int, db: Any = None) -> None:
@@ -396,7 +396,8 @@ class _SharedCore:
         except OSError:  # pragma: no cover - the cores it had are gone
             pass
 
-    def lead(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> dict[str, Any] | None:
+    def lead(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]],
+             b2b_ms: dict[str, float] | None = None) -> dict[str, Any] | None:
         """Rank 0: per program, ``runs`` pairs of (turn after the peer's turn on this core, warm turn) in ms."""
         comm, peer = self.comm, self.peer
         pinned = self.pin()
@@ -417,7 +418,8 @@ class _SharedCore:
                 warm: list[float] = []
                 if fn is WAKE:  # an idle rank's wake-up, the peer's turns running the programs in turn
                     progs = [k for k, w in enumerate(work) if w[1] is not None and w[1] is not WAKE]
-                    out["wake"] = self._wake_pairs(i, max(self.runs, SHORT_RUNS), Inbox(comm), progs)
+                    took = {k: (b2b_ms or {}).get(work[k][0], 0.0) / 1e3 for k in progs}
+                    out["wake"] = self._wake_pairs(i, max(self.runs, SHORT_RUNS), Inbox(comm), progs, took)
                     continue
                 # the turn without a program takes a few ms a pair: more pairs for a steadier median
                 for _ in range(self.runs if fn is not None else max(self.runs, SHORT_RUNS)):
@@ -455,56 +457,62 @@ class _SharedCore:
             self.unpin(pinned[0])
         return out
 
-    def _wake_pairs(self, item: int, n: int, world: Inbox, progs: list[int]) -> dict[str, list[float]]:
-        """``n`` pairs of (an idle rank's wake-up after the peer's turn, the same warm), thread CPU ms.
+    def _wake_pairs(self, item: int, n: int, world: Inbox, progs: list[int],
+                    took: dict[int, float]) -> dict[str, list[float]]:
+        """Up to ``n`` pairs of (an idle rank's wake-up after the peer's turn, the same warm), thread CPU ms.
 
         The wake-up is a backoff's (a sleep, on the doorbell where there is one, then a poll that finds nothing).
         The cold one's sleep is where the peer's turn runs (asked for just before), as other ranks run on a crowded
-        node's core while a rank sleeps; the warm one follows at once, while the peer sleeps.  The peer's turns run
-        the programs of ``progs`` (indices into the work list) in turn, as a crowded node's other ranks run theirs
-        (none: a turn with no program).  A pair whose peer turn ended after the cold sleep, or whose peer woke
-        before the warm one ended (its answer says when), is left out and measured again; at most ``3 n`` tries,
-        and none begun after :data:`WAKE_BUDGET_S` once ``runs`` pairs are in.
+        node's core while a rank sleeps; the warm one, as long, follows at once while the peer sleeps: the peer's
+        turn is all that differs.  The peer's turns run the programs of ``progs`` (indices into the work list) in
+        turn, as a crowded node's other ranks run theirs (none: a turn with no program); the sleeps cover the
+        program's last turn there (``took``, seconds, seeded with its back-to-back time).  The peer answers once it
+        woke, saying when its turn ended and when it woke: a pair whose turn ended after the cold sleep, or whose
+        peer woke before the warm one ended, is left out and measured again; at most ``3 n`` tries, and none begun
+        after :data:`WAKE_BUDGET_S` once ``runs`` pairs are in.
         """
         comm, peer, db = self.comm, self.peer, self.db
         cold: list[float] = []
         warm: list[float] = []
-        took = dict.fromkeys(progs, 0.0)  # each program's last turn on the peer (s): the cold sleep covers it
         t_stop = time.perf_counter() + WAKE_BUDGET_S
 
-        def wake(sleep_s: float) -> None:
+        def wake(sleep_s: float) -> float:
             if db is not None:  # as mailbox.Backoff sleeps from 100 us on
                 db.sleep(sleep_s, db.probe_header)
             else:
                 time.sleep(sleep_s)
+            woke = time.perf_counter()
             if world.poll():
                 raise CalibrationError("calibration: a message came to a poll that expects none")
+            return woke
 
-        for k in range(3 * n):
+        tries = 0
+        for tries in range(1, 3 * n + 1):
             if len(cold) >= self.runs and time.perf_counter() > t_stop:
                 break
-            prog = progs[k % len(progs)] if progs else -1
-            tp.send_message(comm, peer, tp.KIND_DATA, (prog,), (), [(0, self.x)], aux=item)
+            prog = progs[tries % len(progs)] if progs else -1
+            sleep_s = WAKE_COLD_SLEEP_S + 1.5 * took.get(prog, 0.0)
+            tp.send_message(comm, peer, tp.KIND_DATA, (prog, int(sleep_s * 1e6)), (), (), aux=item)
             c0 = time.thread_time()
-            wake(WAKE_COLD_SLEEP_S + 1.5 * took.get(prog, 0.0))
+            t_cold = wake(sleep_s)
             c1 = time.thread_time()
-            t_cold = time.perf_counter()
-            wake(WAKE_SLEEP_S)
+            wake(sleep_s)
             c2 = time.thread_time()
             t_end = time.perf_counter()
-            turn_s, turn_end, asleep_until = _recv_setup(comm, peer, "its answer (the shared-core step)", 300.0)
+            turn_s, turn_end, peer_woke = _recv_setup(comm, peer, "its answer (the shared-core step)", 300.0)
             took[prog] = turn_s
-            if turn_end < t_cold and asleep_until > t_end:
+            if turn_end < t_cold and peer_woke > t_end:
                 cold.append((c1 - c0) * 1e3)
                 warm.append((c2 - c1) * 1e3)
                 if len(cold) == n:
                     break
-            time.sleep(max(0.0, asleep_until - time.perf_counter()) + 1e-4)  # the peer awake for the next turn
+        say(0, f"calibration: shared core: {len(cold)} wake-up pairs kept of {tries} tries")
         return {"evicted_ms": cold, "warm_ms": warm}
 
     def follow(self, work: list[tuple[str, Any, tuple[torch.Tensor, ...]]]) -> None:
         """The peer: pinned to rank 0's core, it runs a turn of program ``aux`` each time rank 0 asks (takes the
-        message, runs the program on its own inputs, answers), until STOP."""
+        message, runs the program on its own inputs, answers), until STOP; for the wake-up item, the program rank 0
+        names, then it sleeps through rank 0's two timed wake-ups before it answers (:meth:`_wake_pairs`)."""
         comm = self.comm
         core = _recv_setup(comm, 0, "the core to share")
         if core is None:
@@ -520,14 +528,13 @@ class _SharedCore:
                     return
                 _name, fn, args = work[m.header.aux]
                 t0 = time.perf_counter()
-                if fn is WAKE:  # the program rank 0 names (if any); then how long it took, when it ended and until
-                    prog = m.header.request_ids[0]  # when this rank sleeps: rank 0 checks that its timed wake-ups
-                    if 0 <= prog < len(work):  # came after the one and before the other
-                        work[prog][1](*work[prog][2])
-                    turn_s = time.perf_counter() - t0
-                    until = time.perf_counter() + WAKE_PEER_SLEEP_S + turn_s
-                    comm.send((turn_s, time.perf_counter(), until), dest=0, tag=SHARED_CORE_TAG)
-                    time.sleep(max(0.0, until - time.perf_counter()))
+                if fn is WAKE:  # the program rank 0 names (if any), then asleep through rank 0's two sleeps of the
+                    prog, sleep_us = m.header.request_ids[:2]  # length it names; the answer says how long the turn
+                    if 0 <= prog < len(work):  # took, when it ended and when this rank woke (rank 0 keeps the pairs
+                        work[prog][1](*work[prog][2])  # whose turn ended in its cold sleep and slept through its warm)
+                    turn_end = time.perf_counter()
+                    time.sleep(2 * sleep_us / 1e6 + WAKE_MARGIN_S)
+                    comm.send((turn_end - t0, turn_end, time.perf_counter()), dest=0, tag=SHARED_CORE_TAG)
                     continue
                 if fn is not None:
                     fn(*args)
@@ -660,7 +667,8 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
         turns = [("turn", None, (torch.zeros(1, 8),)), ("wake", WAKE, ()), *work]
         with torch.inference_mode():
             if rank == 0:
-                job.raw["shared_core"] = sc.lead(turns)
+                timed = (job.raw.get("programs") or {}).get("programs") or {}
+                job.raw["shared_core"] = sc.lead(turns, {k: float(np.median(v["b2b_ms"])) for k, v in timed.items()})
             else:
                 sc.follow(turns)
     job.wait("programs")

@@ -397,6 +397,28 @@ def test_each_wake_up_of_a_backoff_on_a_crowded_node_costs_its_evicted_extra() -
     assert run(both, 2.0).node_cpu_s[0] - run(curve, 2.0).node_cpu_s[0] == pytest.approx(2 * 6 * 10e-6)
 
 
+def test_a_wake_ups_extra_is_spread_over_the_sleep_it_ends_at_most_a_core_a_span() -> None:
+    """[Note: idle CPU]: with a 10 us extra per wake-up and no curve, each sleep of the backoff (20 us, 40, ...,
+    640 after a 50 us spin) takes 10 us spread evenly over it; with a 30 us extra the first sleep (20 us) cannot take
+    it at one core, and the rest goes into the next sleep; in all cases the total is the wake-ups' count times the
+    extra, on top of the curve's own CPU, which keeps its spans' shares."""
+    from hpcsplit.core.simulator import _Sim
+
+    wakes = backoff_wakes_ms(50.0)
+    segs = _Sim._idle_segments(free(), 50e-6, 10e-6)
+    assert [round(d * 1e6, 6) for d, _ in segs] == pytest.approx([20.0, 40.0, 80.0, 160.0, 320.0, 640.0])
+    assert [w for _, w in segs] == pytest.approx([10 / 20, 10 / 40, 10 / 80, 10 / 160, 10 / 320, 10 / 640])
+    big = _Sim._idle_segments(free(), 50e-6, 30e-6)
+    assert big[0][1] == 1.0 and big[1][1] == pytest.approx((30 + 10) / 40)  # 10 us carried into the second
+    assert sum(d * w for d, w in big) == pytest.approx(len(wakes) * 30e-6)
+    curve = free(idle_cpu=Curve((0.0, 0.3, 100.0), (0.0, 0.05, 1.0)))
+    plain = _Sim._idle_segments(curve, 50e-6)
+    both = _Sim._idle_segments(curve, 50e-6, 10e-6)
+    assert all(0.0 <= w <= 1.0 for _, w in both)
+    assert sum(d * w for d, w in both) - sum(d * w for d, w in plain) == pytest.approx(len(wakes) * 10e-6)
+    assert sum(d for d, _ in both) == pytest.approx(sum(d for d, _ in plain))  # the same backoff, cut finer
+
+
 def _two_replicas_on_one_core(ms: float) -> SimSystem:
     """The frontend on a node of its own; one component of two replicas (``ms`` a batch) sharing one core."""
     ranks = (SimRank(0, 1, -1), SimRank(1, 0, 0, 1, 1, 1.0, (ms,)), SimRank(2, 0, 0, 1, 1, 1.0, (ms,)))

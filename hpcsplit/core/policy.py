@@ -16,9 +16,10 @@ from hpcsplit.core.settings import Checker, group_defaults
 __all__ = ["BUCKET_MIN", "ReplicaRouter", "ServePolicy", "backoff_wakes_ms"]
 
 BUCKET_MIN = 9  # components with at least this many replicas keep them ordered (no scan per request)
-BACKOFF_FIRST_S = 20e-6  # runtime.mailbox.Backoff: its first sleep after the spin, doubling ...
-BACKOFF_MAX_S = 1e-3  # ... to this (its max_sleep_s)
-QUIET_AFTER_S = 1e-3  # runtime.mailbox.QUIET_AFTER_S: then a quiet rank sleeps on its doorbell until rung
+# runtime.mailbox.Backoff's schedule (defined here, read there and by the simulator: one source for both)
+BACKOFF_FIRST_S = 20e-6  # its first sleep after the spin, doubling ...
+BACKOFF_MAX_S = 1e-3  # ... to this (its default max_sleep_s)
+QUIET_AFTER_S = 1e-3  # (mailbox.QUIET_AFTER_S) then a quiet rank sleeps on its doorbell until rung
 
 
 def backoff_wakes_ms(spin_us: float) -> tuple[float, ...]:

@@ -414,13 +414,13 @@ class _SharedCore:
         out: dict[str, Any] = {"core": pinned[1], "programs": {}}
         try:
             for i, (name, fn, args) in enumerate(work):
-                cold: list[float] = []
-                warm: list[float] = []
                 if fn is WAKE:  # an idle rank's wake-up, the peer's turns running the programs in turn
                     progs = [k for k, w in enumerate(work) if w[1] is not None and w[1] is not WAKE]
                     took = {k: (b2b_ms or {}).get(work[k][0], 0.0) / 1e3 for k in progs}
                     out["wake"] = self._wake_pairs(i, max(self.runs, SHORT_RUNS), Inbox(comm), progs, took)
                     continue
+                cold: list[float] = []
+                warm: list[float] = []
                 # the turn without a program takes a few ms a pair: more pairs for a steadier median
                 for _ in range(self.runs if fn is not None else max(self.runs, SHORT_RUNS)):
                     for into in (cold, warm):
@@ -668,7 +668,8 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
         with torch.inference_mode():
             if rank == 0:
                 timed = (job.raw.get("programs") or {}).get("programs") or {}
-                job.raw["shared_core"] = sc.lead(turns, {k: float(np.median(v["b2b_ms"])) for k, v in timed.items()})
+                job.raw["shared_core"] = sc.lead(turns, {k: float(np.median(v["b2b_ms"])) for k, v in timed.items()
+                                                         if v.get("b2b_ms")})
             else:
                 sc.follow(turns)
     job.wait("programs")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hpcsplit.core.mpi import MPI
+from hpcsplit.core.policy import BACKOFF_FIRST_S, BACKOFF_MAX_S, QUIET_AFTER_S
 from hpcsplit.runtime.transport import Message, RecvHandle, SendHandle, take_message, wait_polling
 
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -26,7 +27,8 @@ DOORBELL_MIN_SLEEP_S = 100e-6  # shorter sleeps are plain time.sleep (no flag, n
 DOORBELL_DEEP_SLEEP_S = 10e-3  # deep backoff sleep when every rank of the job is on this node (all can ring)
 DOORBELL_QUIET_SLEEP_S = 100e-3  # quiet sleep when every rank of the job is on this node (all ring via flags)
 DOORBELL_UDP_SLEEP_S = 20e-3  # quiet sleep when some senders ring over UDP (and this rank got its test ring)
-QUIET_AFTER_S = 1e-3  # a quiet rank backs off as usual this long (a stream's next message is near), then sleeps
+# QUIET_AFTER_S: a quiet rank backs off as usual this long (a stream's next message is near), then sleeps on its
+# doorbell; with the backoff's first and longest sleeps it is defined in core.policy, which the simulator reads
 
 _DOORBELL: Any = None  # this rank's runtime.doorbell.Doorbell, when the runtime installed one
 
@@ -91,17 +93,17 @@ class Backoff:
 
     __slots__ = ("_since", "_sleep", "deep_after_s", "deep_sleep_s", "max_sleep_s", "spin_s", "yielding")
 
-    def __init__(self, spin_s: float = SPIN_S, max_sleep_s: float = 1e-3, deep_sleep_s: float = 2e-3,
+    def __init__(self, spin_s: float = SPIN_S, max_sleep_s: float = BACKOFF_MAX_S, deep_sleep_s: float = 2e-3,
                  deep_after_s: float = 0.05) -> None:
         self.spin_s, self.max_sleep_s = spin_s, max_sleep_s
         self.deep_sleep_s, self.deep_after_s = max(deep_sleep_s, max_sleep_s), deep_after_s
         self._since: float | None = None
-        self._sleep = 20e-6
+        self._sleep = BACKOFF_FIRST_S
         self.yielding = False  # the last plan was a spin past SPIN_S: the caller yields the core between polls
 
     def reset(self) -> None:
         self._since = None
-        self._sleep = 20e-6
+        self._sleep = BACKOFF_FIRST_S
 
     def idle(self, now: float, wake_at: float | None = None, in_flight: bool = False, quiet: bool = False) -> None:
         """Spin or sleep once; never past ``wake_at`` (a perf_counter time) if given.

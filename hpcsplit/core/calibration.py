@@ -11,7 +11,8 @@ documents) and says so (``source == "defaults"``).
 
 - ``hop``: the delay of one hop to a rank that has been idle for ``gap`` ms (wake-up, doorbell, cold
   caches and the message itself; CPU work of the hop excluded), a :class:`Curve` over idle gaps; ``hop_p90``
-  the same at the 90th percentile (the simulator's jitter);
+  the same at the 90th percentile (the simulator's jitter; since ``[Note: hop spread]`` the hop's spread pooled
+  over every gap, so one gap's outlier does not make it);
 - ``frontend_timer``: from a request's arrival to its admission, for a frontend asleep ``gap`` ms;
 - ``compute_cold``: extra compute of a small program run after ``gap`` ms idle (against back to back);
 - ``idle_cpu`` (optional; zero when absent): CPU ms a rank spends while idle ``gap`` ms between two

@@ -114,6 +114,7 @@ _IDLE, _SCHEDULED, _BUSY, _SPINNING, _QUEUED = 0, 1, 2, 3, 4  # a rank's states 
 _OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
 _Q_TURN, _Q_JOB, _Q_SPIN = 0, 1, 2  # what a rank waiting for a core does once it has one
 BASE_SLICE_S = 0.75e-3  # EEVDF's base slice (Linux 6.6 on: sysctl_sched_base_slice)
+HOP_SIGMA_MAX = math.log(4.0) / 1.2816  # a hop's lognormal spread at most: its p90 4x its p50
 
 
 def sched_slice_s(cores: float) -> float:
@@ -316,9 +317,10 @@ class _Sim:
         self.bw_cross = cross.gb_s * 1e9
         p50 = cal.hop
         p90 = cal.hop_p90
-        # the hop's spread as a lognormal: sigma from the p90 / p50 ratio at each gap (0.1 when unknown)
+        # the hop's spread as a lognormal: sigma from the p90 / p50 ratio at each gap, at most HOP_SIGMA_MAX (a file
+        # fitted before [Note: hop spread] may hold one gap's outlier as its p90)
         self._hop = p50
-        self._hop_sig = [(g, max(0.0, math.log(max(b, 1e-9) / max(a, 1e-9)) / 1.2816))
+        self._hop_sig = [(g, min(HOP_SIGMA_MAX, max(0.0, math.log(max(b, 1e-9) / max(a, 1e-9)) / 1.2816)))
                          for g, a, b in zip(p50.gaps_ms, p50.values_ms,
                                             [p90.at(g) for g in p50.gaps_ms], strict=True)]
         self._timer = cal.frontend_timer

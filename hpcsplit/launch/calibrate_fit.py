@@ -16,8 +16,18 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
   of a small message to a busy rank; across nodes (no common clock) the round trip is ``2 m + turn + 2 * bytes /
   bandwidth`` (``turn = a + b``);
 - **hop** to a rank idle ``g`` (the idle time the replica had, measured): the one-way time less ``recv`` (across
-  nodes: the round trip less ``turn`` less the way back ``m``), at least ``m``; ``hop_p90`` the same at the
-  90th percentile; ``cross_extra``: the cross-node hop less the same-node hop at the same nominal gap;
+  nodes: the round trip less ``turn`` less the way back ``m``), its samples' trimmed mean (10 % off each end), at
+  least ``m``; ``hop_p90``: that times the 90th percentile of every gap's samples over their gap's mean, pooled
+  (``[Note: hop spread]``); ``cross_extra``: the cross-node hop less the same-node hop at the same nominal gap;
+
+[Note: hop spread]
+A hop to a rank idle a millisecond or two is bimodal on the development VM: 0.08-0.12 ms or 0.19-0.39 ms, in
+proportions that change from one calibration to the next (``[Note: settled gaps]``).  With 20 samples a gap, the
+median jumped between the two modes (at 2 ms: 0.39 ms in one calibration, 0.13 in the next, ten minutes apart), and
+the 90th percentile was one or two outliers: 1.62 ms against a median of 0.13 once, which the simulator's lognormal
+spread (sigma from p90 / p50) turned into a p99 of 13 ms for every hop at that gap; the toy's split at 256 req/s was
+then predicted at a p99 of 89 ms against 5 measured.  A trimmed mean moves with the mix instead of jumping, and the
+spread pooled over all gaps' samples (each over its gap's mean: about 240) does not follow one gap's outliers.
 - **frontend timer**: the runtime frontend's median admission lag (admit - arrival) with requests ``g`` apart,
   against its idle time (``g`` less the pipeline time);
 - **idle CPU** (``[Note: idle CPU]``): the ping-pong replica stamps its process's CPU seconds into each
@@ -52,6 +62,19 @@ __all__ = ["fit"]
 
 def _med(v: Sequence[float]) -> float:
     return float(np.median(v)) if len(v) else math.nan
+
+
+def _trimmed(v: Sequence[float] | np.ndarray, cut: float = 0.1) -> float:
+    """Mean of ``v`` less its ``cut`` smallest and largest share (at least one value kept; NaN when empty).
+
+    Examples
+    --------
+    >>> _trimmed([1.0] * 9 + [100.0]), _trimmed([0.1] * 10 + [0.3] * 10)
+    (1.0, 0.2)
+    """
+    a = np.sort(np.asarray(v, dtype=float))
+    k = int(len(a) * cut)
+    return float(a[k : len(a) - k].mean()) if len(a) else math.nan
 
 
 def _var(v: Sequence[float]) -> float:
@@ -125,17 +148,18 @@ def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
                 gb_s = min(1e4, 1.0 / (slope * 1e6))
         sizes = tuple(int(x) for x in sz)
         ways = tuple(float(max(floor_ms, x)) for x in per)
-    hops: dict[float, tuple[float, float, float]] = {}
+    # [Note: hop spread]: each gap's hop is its samples' trimmed mean; the spread is pooled over every gap
+    gaps: dict[float, tuple[float, np.ndarray]] = {}
     for k, v in pp.items():
         if k.startswith("gap ") and v["rtt_ms"]:
-            idle = _med(v["idle_ms"])
-            if one_way:
-                h50 = float(np.median(v["one_way_ms"])) - recv_ms
-                h90 = float(np.quantile(v["one_way_ms"], 0.9)) - recv_ms
-            else:  # the round trip less the replica's turn and the way back to a rank that just sent
-                h50 = float(np.median(v["rtt_ms"])) - turn_ms - m
-                h90 = float(np.quantile(v["rtt_ms"], 0.9)) - turn_ms - m
-            hops[float(v["gap_ms"])] = (idle, max(m, h50), max(m, h90))
+            # one way, or the round trip less the replica's turn and the way back to a rank that just sent
+            h = (np.asarray(v["one_way_ms"], dtype=float) - recv_ms if one_way
+                 else np.asarray(v["rtt_ms"], dtype=float) - turn_ms - m)
+            gaps[float(v["gap_ms"])] = (_med(v["idle_ms"]), h)
+    centre = {g: max(m, _trimmed(h)) for g, (_, h) in gaps.items()}
+    pooled = np.concatenate([h / centre[g] for g, (_, h) in gaps.items()]) if gaps else np.ones(1)
+    ratio = max(1.0, float(np.quantile(pooled, 0.9)))
+    hops = {g: (idle, centre[g], centre[g] * ratio) for g, (idle, _) in gaps.items()}
     return Link(float(m), float(gb_s), sizes, ways), hops
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import socket
 import time
@@ -69,13 +70,36 @@ from hpcsplit.runtime.settings import RuntimeSettings
 from hpcsplit.runtime.threads import cpu_seconds
 from hpcsplit.switchboard.reader import Switchboard
 
-__all__ = ["calibrate", "chain_dataflow"]
+__all__ = ["calibrate", "chain_dataflow", "settle_requests"]
 
 WAIT_SLEEP_S = 0.02  # ranks outside a step poll their barrier at most 50 times a second
 MATMUL_SIZES = (256, 512, 1024)
 CORUN_S = 1.0
 SMALL_RUNS = 50
 TURN_REQUESTS = 300  # the frontend's turns one request at a time (``turns``)
+SETTLE_MAX = 100  # requests at most that settle a gap before its samples (``calibrate.settle_s``)
+
+# [Note: settled gaps]
+# How long a sleeping rank takes to wake depends on how long its core slept before, not only on this gap.  On the
+# 2-core development VM (a KVM guest whose idle cores halt at once; the host polls a halted core for a while, and
+# adapts how long from its recent halts), 100 ping-pongs at a 1 ms gap took 77-109 us one way for the first 16, then
+# 190-372 us (with a few near 100); at 2 ms 200-230 us from the start.  With 20 samples straight after the shorter
+# gaps the calibration measured the first regime (0.08 ms at 1 ms, 0.10-0.12 at 2 ms), while a bench serving at that
+# pace for seconds runs in the second (hops of 0.18-0.29 ms to ranks idle 1-2.5 ms, in a traced toy split at 256
+# req/s).  So each gap first runs ``calibrate.settle_s`` worth of requests at that gap (1 to SETTLE_MAX) that are not
+# counted, in the ping-pong and in the frontend chains.
+
+
+def settle_requests(settle_s: float, gap_ms: float) -> int:
+    """Requests ``gap_ms`` apart that run before that gap's samples and are not counted: ``settle_s`` worth, 1 to
+    :data:`SETTLE_MAX` (``[Note: settled gaps]``).
+
+    Examples
+    --------
+    >>> [settle_requests(1.0, g) for g in (0.05, 2, 30, 300, 1000)], settle_requests(0.0, 2)
+    ([100, 100, 34, 4, 1], 1)
+    """
+    return max(1, min(SETTLE_MAX, math.ceil(settle_s * 1e3 / gap_ms)))
 
 
 def chain_dataflow(ranks: list[int], batch: int) -> Dataflow:
@@ -194,7 +218,9 @@ class _Job:
                                       "cpu_ms": [g[3] for g in got]}
             x = torch.zeros(1, 16, dtype=torch.float64)
             for g in gaps_ms:
-                got = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples) + 1)][1:]
+                for _ in range(self._settle(g)):  # [Note: settled gaps]
+                    one(x, g / 1e3)
+                got = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples))]
                 out[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [p[0] for p in got], "one_way_ms": [p[1] for p in got],
                                      "idle_ms": [p[2] for p in got], "cpu_ms": [p[3] for p in got]}
                 say(0, f"calibration: ping-pong to rank {dest} idle {g:g} ms: round trip p50 "
@@ -214,8 +240,8 @@ class _Job:
 
         timeout = self.rt.request_timeout_s
         if kind == "gap":
-            n = arg["n"] + 2
-            res = fe.run(np.arange(n) * arg["gap_ms"] / 1e3, get, None, timeout, self.rt.max_inflight)
+            skip = max(2, self._settle(arg["gap_ms"]))  # [Note: settled gaps]
+            res = fe.run(np.arange(arg["n"] + skip) * arg["gap_ms"] / 1e3, get, None, timeout, self.rt.max_inflight)
         else:  # saturation (everything at once) and turns (one in flight: a working pass admits one or takes one)
             window = 256 if kind == "saturation" else 1
             if kind == "saturation":
@@ -235,8 +261,8 @@ class _Job:
         if not res.ok.all():
             raise CalibrationError(f"calibration: {int((~res.ok).sum())} of {len(res.ok)} requests of a {kind} session "
                                    "timed out; the machine is too loaded to calibrate (or a rank is stuck)")
-        return {"pipe_ms": ((res.done_s - res.admit_s)[2:] * 1e3).tolist(),
-                "lag_ms": ((res.admit_s - res.arrival_s)[2:] * 1e3).tolist(), **arg}
+        return {"pipe_ms": ((res.done_s - res.admit_s)[skip:] * 1e3).tolist(),
+                "lag_ms": ((res.admit_s - res.arrival_s)[skip:] * 1e3).tolist(), **arg}
 
     def gap_sessions(self, gaps: tuple[float, ...]) -> list[tuple[str, Any]]:
         s = self.s
@@ -273,6 +299,9 @@ class _Job:
 
     def _runs(self, gap_ms: float, want: int) -> int:
         return max(3, min(want, int(self.s.max_gap_time_s * 1e3 / gap_ms)))
+
+    def _settle(self, gap_ms: float) -> int:
+        return settle_requests(self.s.settle_s, gap_ms)
 
     def work(self, paths: RunPaths) -> tuple[str | None, list[tuple[str, Any, tuple[torch.Tensor, ...]]]]:
         """(the switchboard's sha256, [(name, program, batch-1 inputs)] of each component and the whole model); (None,

@@ -19,7 +19,7 @@ MPIEXEC = shutil.which("mpiexec") or (shutil.which("mpiexec", path=str(Path(sys.
 if MPIEXEC is None:  # pragma: no cover
     pytest.skip("no mpiexec on PATH", allow_module_level=True)
 
-QUICK = {"gaps_ms": [0.2, 2, 20], "chain_gaps_ms": [2, 20], "samples": 5, "max_gap_time_s": 1.0,
+QUICK = {"gaps_ms": [0.2, 2, 20], "chain_gaps_ms": [2, 20], "samples": 5, "max_gap_time_s": 1.0, "settle_s": 0.2,
          "sizes_bytes": [64, 262144], "saturation_requests": 300, "threads": [1], "programs": False}
 
 
@@ -49,6 +49,17 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
     assert turns["turn_cpu_s"] > 0 and raw["chains"]["saturation b1"]["saturation"]["turns"] > 0
     one_way = raw["chains"]["pingpong"]["gap 20"]["one_way_ms"]
     assert len(one_way) >= 3 and np.isfinite(one_way).all()  # the replica's stamp: one clock on one node
+    # [Note: settled gaps]: each gap's settling requests run (the replica served them) and are not counted
+    from hpcsplit.launch.calibrate_run import settle_requests
+
+    pp = raw["chains"]["pingpong"]
+    counted = {g: len(pp[f"gap {g:g}"]["one_way_ms"]) for g in QUICK["gaps_ms"]}
+    assert counted == {0.2: 5, 2: 5, 20: 5}  # samples, at most max_gap_time_s worth
+    served = 5 * len(QUICK["sizes_bytes"]) + sum(counted.values())  # 5 unrecorded before each size's samples
+    served += len(QUICK["sizes_bytes"]) * QUICK["samples"] + sum(settle_requests(0.2, g) for g in QUICK["gaps_ms"])
+    assert pp["component"]["requests"] == served
+    for g in QUICK["chain_gaps_ms"]:
+        assert len(raw["chains"]["one"][f"gap {g:g}"]["pipe_ms"]) == QUICK["samples"]
     cpu = raw["chains"]["pingpong"]["gap 20"]["cpu_ms"]  # ... and its process's CPU: never runs backwards
     assert len(cpu) >= 3 and np.all(np.diff(cpu) >= 0)
     # an idle gap costs CPU (at least the spin after work), more the longer it is

@@ -290,7 +290,8 @@ def test_the_evicted_turns_are_the_pairs_median_extra_and_zero_where_the_job_cou
 
 @pytest.mark.parametrize("over", [{"sizes_bytes": [float("inf")]}, {"sizes_bytes": [2**2000]},
                                   {"gaps_ms": [float("inf")]}, {"max_gap_time_s": float("inf")},
-                                  {"threads": [0]}, {"samples": 10**9}])
+                                  {"threads": [0]}, {"samples": 10**9}, {"settle_s": float("inf")},
+                                  {"settle_s": -1.0}])
 def test_calibrate_settings_refuse_infinite_and_huge_values(over: dict) -> None:
     """Each would have raised OverflowError or made a step wait (or loop) for ever."""
     from hpcsplit.errors import ConfigError
@@ -349,3 +350,24 @@ def test_a_program_after_an_idle_gap_is_timed_on_inputs_received_as_a_rank_recei
             for got, want in zip(xs, args, strict=True):
                 assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
                 assert got.numel() == 0 or got.data_ptr() != want.data_ptr()  # received, not the caller's tensor
+
+
+def test_a_hop_is_a_trimmed_mean_and_its_spread_is_pooled_so_outliers_and_mode_flips_move_it_little() -> None:
+    """[Note: hop spread]: a bimodal gap (half fast, half slow) gives the mix's mean whichever mode has one more sample;
+    two outliers of twenty in one gap neither move its hop much nor make its p90."""
+    def with_gap10(samples: list[float]) -> dict:
+        raw = _raw(0.5)
+        recv = raw["chains"]["pingpong"]["gap 10"]["one_way_ms"][0] - 0.5
+        v = raw["chains"]["pingpong"]["gap 10"]
+        v["one_way_ms"] = [s + recv for s in samples]
+        v["rtt_ms"], v["idle_ms"] = [1.0] * len(samples), [10.0] * len(samples)
+        v["cpu_ms"] = list(np.cumsum([0.1] * len(samples)))
+        return raw
+
+    fast_more = fit(with_gap10([0.1] * 11 + [0.3] * 9)).hop.at(10.0)
+    slow_more = fit(with_gap10([0.1] * 9 + [0.3] * 11)).hop.at(10.0)
+    assert 0.17 < fast_more < slow_more < 0.23  # (the median jumped from 0.1 to 0.3)
+    odd = fit(with_gap10([0.5] * 18 + [16.0] * 2))
+    assert odd.hop.at(10.0) == pytest.approx(0.5, abs=0.01)
+    assert odd.hop_p90.at(10.0) < 1.0  # (the 90th percentile of these twenty samples is 16 ms)
+    assert odd.hop_p90.at(1.0) == pytest.approx(odd.hop.at(1.0) * odd.hop_p90.at(10.0) / odd.hop.at(10.0))

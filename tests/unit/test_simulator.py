@@ -582,3 +582,18 @@ def test_a_requests_critical_path_compute_is_its_longest_chain_of_batches_withou
     one = build_system(_toy_plan(["a", "b", "h"]), prof.components, g, free(), ServePolicy(spin_us=0.0),
                        cores_per_node=1)
     assert simulate(one, np.array([0.0])).path_ms[0] > 21.0  # branches sharing one core compute slower: it counts
+
+
+def test_a_hops_spread_is_capped_so_one_outlier_p90_cannot_blow_up_every_hop() -> None:
+    """[Note: hop spread]: a file fitted before it could hold one gap's outlier as its p90 (1.62 ms against a median of
+    0.13 was seen); the lognormal spread is capped at a p90 of 4x the p50 (HOP_SIGMA_MAX)."""
+    from hpcsplit.core.simulator import HOP_SIGMA_MAX
+
+    arr = arrival_times(400, 20.0, "poisson", 0)
+    wild = simulate(chain([0.1], free(hop=Curve.constant(0.5), hop_p90=Curve.constant(50.0))), arr, seed=3)
+    capped = simulate(chain([0.1], free(hop=Curve.constant(0.5), hop_p90=Curve.constant(2.0))), arr, seed=3)
+    lat = lambda r: (r.done_s - r.arrival_s)[r.ok] * 1e3
+    assert HOP_SIGMA_MAX == pytest.approx(math.log(4.0) / 1.2816)
+    # the same draws: a p90 of 100x the p50 is read as 4x, so the two runs are the same run
+    assert np.allclose(lat(wild), lat(capped))
+    assert np.quantile(lat(capped), 0.99) < 2 * 0.5 * math.exp(2.33 * HOP_SIGMA_MAX) + 1.0

@@ -31,7 +31,10 @@ documents) and says so (``source == "defaults"``).
   with it after the core's caches were evicted (:class:`ProgramCal`); ``cpu.evicted_us_per_turn`` (optional)
   the same for a turn that only takes and sends a small message, and ``cpu.evicted_us_per_wake`` (optional) for
   an idle rank's wake-up that finds nothing, in CPU time (``[Note: evicted caches]`` in
-  :mod:`hpcsplit.launch.calibrate_run`).
+  :mod:`hpcsplit.launch.calibrate_run`);
+- ``wake_on_ringer_core`` (optional; null or absent: not measured): the share of doorbell wake-ups that ran on the
+  core of the rank that rang (``[Note: stacked wake-ups]`` in :mod:`hpcsplit.launch.calibrate_run`); a figure for
+  people (it says whether to bind ranks to cores), not yet read by the simulator.
 
 The file is untrusted input: :func:`load_calibration` reads at most 1 MiB of JSON (no code, nothing outside
 the file), checks every key and value and raises :class:`~hpcsplit.errors.CalibrationError` naming every
@@ -56,6 +59,7 @@ from hpcsplit.errors import CalibrationError
 __all__ = [
     "CALIBRATION_FORMAT",
     "CALIBRATION_SCHEMA_VERSION",
+    "HOP_SPREAD_MAX",
     "Calibration",
     "Curve",
     "Link",
@@ -70,6 +74,7 @@ MAX_CALIBRATION_BYTES = 1 << 20
 MAX_POINTS = 64  # points of one curve or size sweep
 MAX_MS = 3.6e6  # an hour: no measured delay is larger
 MAX_PROGRAMS = 4096
+HOP_SPREAD_MAX = 4.0  # a hop's p90 over its p50 at most, as fitted and as simulated ([Note: hop spread])
 
 # The documented defaults (docs/simulate.md): the development VM's figures, also conf/partition/dominator.yaml's.
 DEFAULT_HOP_MS = 0.3  # a message to a rank asleep 10 ms: 260-349 us of Python (docs/runtime.md)
@@ -178,6 +183,8 @@ class Calibration:
     frontend_us_per_turn: float = 0.0  # CPU of a frontend loop pass that does work, beyond its requests and messages
     evicted_us_per_turn: float = 0.0  # extra CPU of a messaging turn after the core's caches were evicted
     evicted_us_per_wake: float = 0.0  # ... of an idle rank's wake-up that finds nothing ([Note: idle CPU])
+    wake_on_ringer_core: float | None = None  # share of doorbell wake-ups run on the ringer's core ([Note: stacked
+    # wake-ups] in launch/calibrate_run.py); None: not measured
 
     # ------------------------------------------------------------------ the readers' figures
     @classmethod
@@ -279,6 +286,7 @@ class Calibration:
                 "switchboard_sha256": self.switchboard_sha256,
                 "programs": {k: v.to_json() for k, v in self.programs.items()}},
             "notes": list(self.notes),
+            "wake_on_ringer_core": self.wake_on_ringer_core,
         }
 
     def save(self, path: str | Path) -> Path:
@@ -368,8 +376,9 @@ class _Reader:
 
     KEYS = ("format", "schema_version", "source", "created_utc", "hpcsplit_version", "cluster", "hosts", "nodes",
             "cores_per_node", "device_kind", "hop", "hop_p90", "frontend_timer", "compute_cold", "same_node",
-            "cross_node", "cross_extra", "cpu", "compute", "programs", "notes", "idle_cpu")
-    OPTIONAL = ("idle_cpu",)  # added within schema version 1: files written before it have none (zero then)
+            "cross_node", "cross_extra", "cpu", "compute", "programs", "notes", "idle_cpu", "wake_on_ringer_core")
+    # added within schema version 1: files written before them have none (zero, or not measured, then)
+    OPTIONAL = ("idle_cpu", "wake_on_ringer_core")
 
     def __init__(self, path: Path, absent: Sequence[str] = ()) -> None:
         self.path = path
@@ -534,5 +543,7 @@ class _Reader:
                                  if "evicted_us_per_turn" in cpu else 0.0),
             evicted_us_per_wake=(self.num(cpu["evicted_us_per_wake"], "cpu.evicted_us_per_wake", 0, 1e6)
                                  if "evicted_us_per_wake" in cpu else 0.0),
+            wake_on_ringer_core=(None if d.get("wake_on_ringer_core") is None
+                                 else self.num(d["wake_on_ringer_core"], "wake_on_ringer_core", 0, 1)),
         )
         return cal

@@ -99,7 +99,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcsplit.core.calibration import Calibration, Curve
+from hpcsplit.core.calibration import HOP_SPREAD_MAX, Calibration, Curve
 from hpcsplit.core.policy import ReplicaRouter, ServePolicy, backoff_wakes_ms
 
 __all__ = ["STATUS_OK", "STATUS_TIMEOUT", "ServePolicy", "SimComponent", "SimRank", "SimRun",
@@ -114,7 +114,7 @@ _IDLE, _SCHEDULED, _BUSY, _SPINNING, _QUEUED = 0, 1, 2, 3, 4  # a rank's states 
 _OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
 _Q_TURN, _Q_JOB, _Q_SPIN = 0, 1, 2  # what a rank waiting for a core does once it has one
 BASE_SLICE_S = 0.75e-3  # EEVDF's base slice (Linux 6.6 on: sysctl_sched_base_slice)
-HOP_SIGMA_MAX = math.log(4.0) / 1.2816  # a hop's lognormal spread at most: its p90 4x its p50
+HOP_SIGMA_MAX = math.log(HOP_SPREAD_MAX) / 1.2816  # a hop's lognormal spread at most: its p90 4x its p50
 
 
 def sched_slice_s(cores: float) -> float:

@@ -72,7 +72,7 @@ class CalibrateSettings:
             chain_gaps_ms=_increasing(c, "chain_gaps_ms"),
             samples=c.integer("samples", lo=3, hi=100_000),
             max_gap_time_s=c.number("max_gap_time_s", lo=0, hi=3600, lo_open=True),
-            settle_s=c.number("settle_s", lo=0, hi=3600),
+            settle_s=c.number("settle_s", lo=0, hi=60),
             sizes_bytes=tuple(int(x) for x in _increasing(c, "sizes_bytes", whole=True, hi=1 << 30)),
             saturation_requests=c.integer("saturation_requests", lo=10, hi=10**7),
             threads=None if threads is None else tuple(int(x) for x in _increasing(c, "threads", whole=True, hi=1024)),

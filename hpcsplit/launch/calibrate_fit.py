@@ -16,18 +16,10 @@ From ``[Note: calibration measurements]`` (:mod:`hpcsplit.launch.calibrate_run`)
   of a small message to a busy rank; across nodes (no common clock) the round trip is ``2 m + turn + 2 * bytes /
   bandwidth`` (``turn = a + b``);
 - **hop** to a rank idle ``g`` (the idle time the replica had, measured): the one-way time less ``recv`` (across
-  nodes: the round trip less ``turn`` less the way back ``m``), its samples' trimmed mean (10 % off each end), at
-  least ``m``; ``hop_p90``: that times the 90th percentile of every gap's samples over their gap's mean, pooled
-  (``[Note: hop spread]``); ``cross_extra``: the cross-node hop less the same-node hop at the same nominal gap;
+  nodes: the round trip less ``turn`` less the way back ``m``), its samples' trimmed mean, at least ``m``;
+  ``hop_p90``: that times one spread pooled over the gaps (``[Note: hop spread]``); ``cross_extra``: the cross-node
+  hop less the same-node hop at the same nominal gap;
 
-[Note: hop spread]
-A hop to a rank idle a millisecond or two is bimodal on the development VM: 0.08-0.12 ms or 0.19-0.39 ms, in
-proportions that change from one calibration to the next (``[Note: settled gaps]``).  With 20 samples a gap, the
-median jumped between the two modes (at 2 ms: 0.39 ms in one calibration, 0.13 in the next, ten minutes apart), and
-the 90th percentile was one or two outliers: 1.62 ms against a median of 0.13 once, which the simulator's lognormal
-spread (sigma from p90 / p50) turned into a p99 of 13 ms for every hop at that gap; the toy's split at 256 req/s was
-then predicted at a p99 of 89 ms against 5 measured.  A trimmed mean moves with the mix instead of jumping, and the
-spread pooled over all gaps' samples (each over its gap's mean: about 240) does not follow one gap's outliers.
 - **frontend timer**: the runtime frontend's median admission lag (admit - arrival) with requests ``g`` apart,
   against its idle time (``g`` less the pipeline time);
 - **idle CPU** (``[Note: idle CPU]``): the ping-pong replica stamps its process's CPU seconds into each
@@ -39,10 +31,24 @@ spread pooled over all gaps' samples (each over its gap's mean: about 240) does 
   message, the program, send its outputs), for a turn with no program (``cpu.evicted_us_per_turn``) and for an
   idle rank's wake-up that finds nothing, in CPU time (``cpu.evicted_us_per_wake``); 0 where the job could not
   pin two ranks to one core, and for an older job's figures;
+- **wake-up placement** (``[Note: stacked wake-ups]``): ``wake_on_ringer_core``, the share of the placement step's
+  rings whose peer woke on rank 0's core (null when the step did not run: no doorbell, no ``sched_getcpu``);
 - **compute**: GFLOP/s per thread count; ``corun_slowdown[k-1]`` = one rank's rate alone over the mean rate of
   ``k`` ranks computing at once; cold extras = the median, over runs after a gap, of the run less the warm run
   straight after it (``[Note: cold extra in pairs]``; an older job's figures: median after the gap less median
   back to back), 0 at least.
+
+[Note: hop spread]
+A hop to a rank idle a millisecond or two is bimodal on the development VM: 0.08-0.12 ms or 0.19-0.39 ms, in
+proportions that change from one calibration to the next (``[Note: settled gaps]``).  With 20 samples a gap, the
+median jumped between the two modes (at 2 ms: 0.39 ms in one calibration, 0.13 in the next, ten minutes apart), and
+the 90th percentile was one or two outliers: 1.62 ms against a median of 0.13 once, which the simulator's lognormal
+spread (sigma from p90 / p50) turned into a p99 of 13 ms for every hop at that gap; the toy's split at 256 req/s was
+then predicted at a p99 of 89 ms against 5 measured.  So a gap's hop is its samples' trimmed mean (``_trimmed``: 10 %
+off each end, at least one sample each end from three samples on), which moves with the mix instead of jumping, and
+``hop_p90`` is that times one spread for every gap: the 90th percentile of the samples over their gap's hop, pooled
+(about 240 samples), over the gaps whose hop is above twice ``m`` (a hop near ``m``, a rank still spinning, makes
+any jitter a large ratio), at most :data:`HOP_SPREAD_MAX`.  The simulator takes ``hop`` as its lognormal's median.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from hpcsplit import __version__
-from hpcsplit.core.calibration import Calibration, Curve, Link, ProgramCal, utc_now
+from hpcsplit.core.calibration import HOP_SPREAD_MAX, Calibration, Curve, Link, ProgramCal, utc_now
 
 __all__ = ["fit"]
 
@@ -65,16 +71,18 @@ def _med(v: Sequence[float]) -> float:
 
 
 def _trimmed(v: Sequence[float] | np.ndarray, cut: float = 0.1) -> float:
-    """Mean of ``v`` less its ``cut`` smallest and largest share (at least one value kept; NaN when empty).
+    """Mean of ``v`` less its ``cut`` smallest and largest share, at least one value off each end from three values
+    on (at least one kept; NaN when empty).
 
     Examples
     --------
-    >>> _trimmed([1.0] * 9 + [100.0]), _trimmed([0.1] * 10 + [0.3] * 10)
-    (1.0, 0.2)
+    >>> _trimmed([1.0] * 9 + [100.0]), _trimmed([0.1] * 10 + [0.3] * 10), round(_trimmed([0.8] * 7 + [16.0]), 9)
+    (1.0, 0.2, 0.8)
     """
     a = np.sort(np.asarray(v, dtype=float))
-    k = int(len(a) * cut)
-    return float(a[k : len(a) - k].mean()) if len(a) else math.nan
+    n = len(a)
+    k = min((n - 1) // 2, max(1, round(n * cut))) if n >= 3 else 0
+    return float(a[k : n - k].mean()) if n else math.nan
 
 
 def _var(v: Sequence[float]) -> float:
@@ -156,9 +164,10 @@ def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
             h = (np.asarray(v["one_way_ms"], dtype=float) - recv_ms if one_way
                  else np.asarray(v["rtt_ms"], dtype=float) - turn_ms - m)
             gaps[float(v["gap_ms"])] = (_med(v["idle_ms"]), h)
-    centre = {g: max(m, _trimmed(h)) for g, (_, h) in gaps.items()}
-    pooled = np.concatenate([h / centre[g] for g, (_, h) in gaps.items()]) if gaps else np.ones(1)
-    ratio = max(1.0, float(np.quantile(pooled, 0.9)))
+    gaps = {g: (idle, h[np.isfinite(h)]) for g, (idle, h) in gaps.items()}
+    centre = {g: max(m, _trimmed(h)) if h.size else m for g, (_, h) in gaps.items()}
+    ratios = [h / centre[g] for g, (_, h) in gaps.items() if h.size and centre[g] > 2 * m]
+    ratio = min(HOP_SPREAD_MAX, max(1.0, float(np.quantile(np.concatenate(ratios), 0.9)))) if ratios else 1.0
     hops = {g: (idle, centre[g], centre[g] * ratio) for g, (idle, _) in gaps.items()}
     return Link(float(m), float(gb_s), sizes, ways), hops
 
@@ -274,4 +283,10 @@ def fit(raw: Mapping[str, Any]) -> Calibration:
         component_us_per_message=a / 2 * 1e6, component_us_per_request=b * 1e6,
         compute_gflops=gflops, corun_slowdown=tuple(corun), switchboard_sha256=sha, programs=progs,
         notes=tuple(notes) + (f"measured in {float(raw.get('wall_s', 0.0)):.0f} s",), idle_cpu=idle_cpu,
+        wake_on_ringer_core=_share((raw.get("placement") or {}).get("same_core")),
     )
+
+
+def _share(flags: Sequence[bool] | None) -> float | None:
+    """The share of true flags (the placement step's rings that woke the peer on the ringer's core); None: none."""
+    return float(np.mean([bool(f) for f in flags])) if flags else None

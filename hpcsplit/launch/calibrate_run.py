@@ -24,7 +24,9 @@ each chain the components run the runtime's own loop (``serve_component``) on ``
    back to back and after each idle gap (``compute_cold``);
 5. **programs** (``calibrate.programs`` and a switchboard in the run folder or ``switchboard=PATH``): each
    component and the whole model at batch 1, back to back and after ``program_gaps_ms`` idle;
-6. **shared core** (``[Note: evicted caches]``): rank 0 and the first other rank of its node pinned to one core;
+6. **wake-up placement** (``[Note: stacked wake-ups]``): rank 0 rings a peer asleep on its doorbell and keeps its
+   core; on which core the peer woke;
+7. **shared core** (``[Note: evicted caches]``): rank 0 and the first other rank of its node pinned to one core;
    a rank's turn (take a message, a program, send its outputs; no program: the frontend's turn) straight after
    the other rank's turn there, against the same turn warm; and an idle rank's wake-up that finds nothing, in
    CPU time, after a sleep the other rank's turn ran in, against the same wake-up warm.
@@ -367,6 +369,70 @@ def _recv_setup(comm: Any, source: int, what: str, timeout_s: float = 300.0) -> 
         time.sleep(1e-3)
 
 
+# [Note: stacked wake-ups]
+# Where does a rank woken by a ring run?  On the 2-vCPU development VM (a KVM guest) on the core of the rank that rang
+# it, 95-100 % of the time -- though the other core was idle -- either preempting the ringer (3-11 us after the ring,
+# two bare processes) or waiting until the ringer gives the core up (this step: 39 of 39 rings, woken 322 us after
+# the ring, the ringer's 0.3 ms of work done) (an idle vCPU is halted, and most likely reads as preempted to the guest's scheduler, whose
+# search for an idle core then passes it over).  A split's chain then runs on one core while the other idles, until
+# the load fills both: bound to cores (``launcher.mpiexec_args=[-bind-to,core]``), the toy's split answered 6-15 %
+# sooner (docs/simulate.md, stop 48).  The simulator does not model it yet.  So the calibration measures it: rank 0
+# tells a peer on its node to sleep on its doorbell, rings it after a message, and keeps its core a while (as a rank
+# with more to send); the peer answers on which core it woke (``sched_getcpu``).  The file keeps the share of rings
+# that woke the peer on rank 0's core (``wake_on_ringer_core``); on a bare node it should be near 0.
+PLACEMENT_RINGS = 40  # rings of the wake-up placement step
+PLACEMENT_SLEEP_S = 3e-3  # rank 0 waits this long after telling the peer to sleep (it is asleep by then)
+PLACEMENT_WORK_S = 300e-6  # ... and keeps its core this long after the ring, as a rank with more to send
+
+
+def _cpu_reader() -> Any:
+    """``sched_getcpu`` (the core this thread runs on), or None where the C library has none."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def placement_ringer(comm: Any, peer: int, db: Any, cpu: Any) -> dict[str, list[Any]]:
+    """Rank 0's side of the wake-up placement step (``[Note: stacked wake-ups]``): per ring, whether the woken peer
+    ran on this rank's core, and how long after the ring it woke (us); rings that found the peer awake are left out."""
+    same: list[bool] = []
+    woke_us: list[float] = []
+    for i in range(PLACEMENT_RINGS):
+        comm.send(i, dest=peer, tag=SHARED_CORE_TAG)  # sleep on your doorbell
+        time.sleep(PLACEMENT_SLEEP_S)
+        core = cpu()
+        h = tp.isend_message(comm, peer, tp.KIND_DATA, (i,))
+        t0 = time.perf_counter()
+        rang = db.ring(peer)
+        while time.perf_counter() - t0 < PLACEMENT_WORK_S:  # this rank still has work: it keeps its core
+            pass
+        h.wait()
+        t_woke, peer_core = _recv_setup(comm, peer, "its wake-up (the placement step)", 300.0)
+        if rang and peer_core >= 0 and core >= 0:
+            same.append(bool(peer_core == core))
+            woke_us.append((t_woke - t0) * 1e6)
+    comm.send(None, dest=peer, tag=SHARED_CORE_TAG)
+    return {"same_core": same, "woke_us": woke_us}
+
+
+def placement_sleeper(comm: Any, db: Any, cpu: Any) -> None:
+    """The peer's side: told to, it sleeps on its doorbell (at most 1 s a time, 300 s in all) until rank 0's message
+    comes, and answers when it woke and on which core."""
+    while _recv_setup(comm, 0, "a ring of the placement step", 300.0) is not None:
+        deadline = time.perf_counter() + 300.0
+        while not db.sleep(1.0, db.probe_header):
+            if time.perf_counter() > deadline:
+                raise CalibrationError("calibration: rank 0's ring of the placement step did not come within 300 s")
+        t, core = time.perf_counter(), cpu()
+        tp.recv_message(comm, source=0, timeout_s=300.0)
+        comm.send((t, core), dest=0, tag=SHARED_CORE_TAG)
+
+
 def _outputs(out: Any) -> list[torch.Tensor]:
     return [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
 
@@ -688,6 +754,20 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
         job.raw["small"] = job.small_cold()
         sha, work = job.work(paths)
         job.raw["programs"] = job.programs(sha, work)
+    job.wait("placement: start")  # [Note: stacked wake-ups]
+    cpu = _cpu_reader()
+    if db is not None and cpu is not None and rank in (0, peer):
+        if rank == 0:
+            job.raw["placement"] = got = placement_ringer(comm, peer, db, cpu)
+            if got["same_core"]:
+                share = float(np.mean(got["same_core"]))
+                say(0, f"calibration: {100 * share:.0f} % of {len(got['same_core'])} doorbell wake-ups ran on the core "
+                       f"of the rank that rang (woken after p50 {float(np.median(got['woke_us'])):.0f} us)"
+                       + ("; where a node has fewer cores than ranks, bind a split plan's ranks to cores "
+                          "(launcher.mpiexec_args, docs/simulate.md)" if share > 0.5 else ""))
+        else:
+            placement_sleeper(comm, db, cpu)
+    job.wait("placement: done")
     job.wait("shared core")  # [Note: evicted caches]
     if rank == peer:  # (loaded only now: nothing else runs on the node while rank 0 times its programs)
         sha, work = job.work(paths)

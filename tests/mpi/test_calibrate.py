@@ -60,6 +60,9 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
     assert pp["component"]["requests"] == served
     for g in QUICK["chain_gaps_ms"]:
         assert len(raw["chains"]["one"][f"gap {g:g}"]["pipe_ms"]) == QUICK["samples"]
+    # ... and the frontend chain's: 5 first requests, then per gap its samples after at least 2 that settle it
+    chain = 5 + sum(QUICK["samples"] + max(2, settle_requests(0.2, g)) for g in QUICK["chain_gaps_ms"])
+    assert raw["chains"]["one"]["component"]["requests"] == chain
     cpu = raw["chains"]["pingpong"]["gap 20"]["cpu_ms"]  # ... and its process's CPU: never runs backwards
     assert len(cpu) >= 3 and np.all(np.diff(cpu) >= 0)
     # an idle gap costs CPU (at least the spin after work), more the longer it is
@@ -76,4 +79,9 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
             assert len(pairs["evicted_ms"]) == len(pairs["warm_ms"]) >= 25 and min(pairs["warm_ms"]) > 0
         wake = np.subtract(shared["wake"]["evicted_ms"], shared["wake"]["warm_ms"])  # the file holds their median
         assert cal.evicted_us_per_wake == pytest.approx(max(0.0, float(np.median(wake))) * 1e3)
+    # [Note: stacked wake-ups]: rank 0 rang a peer asleep on its doorbell; on which core it woke, per ring
+    placed = raw["placement"]
+    assert 0 < len(placed["same_core"]) == len(placed["woke_us"]) <= 40 and min(placed["woke_us"]) > 0
+    assert cal.wake_on_ringer_core == pytest.approx(float(np.mean(placed["same_core"])))
+    assert "doorbell wake-ups ran on the core of the rank that rang" in p.stderr
     assert "calibration written to" in p.stderr

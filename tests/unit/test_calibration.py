@@ -80,6 +80,21 @@ def test_a_file_written_before_the_evicted_turns_reads_them_as_zero(tmp_path: Pa
     assert "cpu.evicted_us_per_wake = -3.0" in str(e.value)
 
 
+def test_the_wake_up_placement_share_is_optional_and_kept(tmp_path: Path) -> None:
+    """[Note: stacked wake-ups]: absent or null reads as not measured; a share round-trips; the fit takes the share of
+    the placement step's rings that woke the peer on the ringer's core."""
+    d = measured().to_json()
+    assert d["wake_on_ringer_core"] is None
+    del d["wake_on_ringer_core"]
+    assert load_calibration(_write(tmp_path, d)).wake_on_ringer_core is None
+    cal = dataclasses.replace(measured(), wake_on_ringer_core=0.975)
+    assert load_calibration(cal.save(tmp_path / "c.json")).wake_on_ringer_core == pytest.approx(0.975)
+    raw = _raw(0.5)
+    assert fit(raw).wake_on_ringer_core is None  # (no placement step: an older job, or no doorbell)
+    raw["placement"] = {"same_core": [True, True, False, True], "woke_us": [5.0, 6.0, 80.0, 4.0]}
+    assert fit(raw).wake_on_ringer_core == pytest.approx(0.75)
+
+
 def test_a_file_written_before_idle_cpu_reads_as_no_idle_cpu(tmp_path: Path) -> None:
     d = measured().to_json()
     del d["idle_cpu"]
@@ -130,6 +145,8 @@ def _write(tmp_path: Path, data: object) -> Path:
     (lambda d: d.update(same_node=None), "same_node = None: needs an object"),
     (lambda d: d.update(idle_cpu=None), "idle_cpu = None: needs an object"),  # optional, but not null
     (lambda d: d["idle_cpu"].update(values_ms=[0.0, float("inf"), 1.0]), r"idle_cpu.values_ms\[1\] = inf"),
+    (lambda d: d.update(wake_on_ringer_core=1.5), r"wake_on_ringer_core = 1.5: needs a number in \[0, 1\]"),
+    (lambda d: d.update(wake_on_ringer_core="most"), "wake_on_ringer_core = 'most'"),
 ])
 def test_a_malformed_file_is_refused_naming_the_problem(tmp_path: Path, mutate, message: str) -> None:
     d = measured().to_json()
@@ -291,7 +308,7 @@ def test_the_evicted_turns_are_the_pairs_median_extra_and_zero_where_the_job_cou
 @pytest.mark.parametrize("over", [{"sizes_bytes": [float("inf")]}, {"sizes_bytes": [2**2000]},
                                   {"gaps_ms": [float("inf")]}, {"max_gap_time_s": float("inf")},
                                   {"threads": [0]}, {"samples": 10**9}, {"settle_s": float("inf")},
-                                  {"settle_s": -1.0}])
+                                  {"settle_s": -1.0}, {"settle_s": 61.0}])
 def test_calibrate_settings_refuse_infinite_and_huge_values(over: dict) -> None:
     """Each would have raised OverflowError or made a step wait (or loop) for ever."""
     from hpcsplit.errors import ConfigError
@@ -370,4 +387,33 @@ def test_a_hop_is_a_trimmed_mean_and_its_spread_is_pooled_so_outliers_and_mode_f
     odd = fit(with_gap10([0.5] * 18 + [16.0] * 2))
     assert odd.hop.at(10.0) == pytest.approx(0.5, abs=0.01)
     assert odd.hop_p90.at(10.0) < 1.0  # (the 90th percentile of these twenty samples is 16 ms)
-    assert odd.hop_p90.at(1.0) == pytest.approx(odd.hop.at(1.0) * odd.hop_p90.at(10.0) / odd.hop.at(10.0))
+    few = fit(with_gap10([0.8] * 7 + [16.0]))  # eight samples (a 1 s gap's): one outlier is still cut
+    assert few.hop.at(10.0) == pytest.approx(0.8, abs=0.01)
+
+
+def test_a_hops_spread_is_one_ratio_pooled_over_the_gaps_above_a_spinning_ranks() -> None:
+    """[Note: hop spread]: every gap 8 fast samples and 2 twice as slow -> the same p90 / hop at every gap, the pooled
+    quantile; a gap whose hop is near m (a spinning rank) stays out of the pool; and at most HOP_SPREAD_MAX."""
+    from hpcsplit.core.calibration import HOP_SPREAD_MAX
+
+    def raw_of(per_gap: dict[float, list[float]]) -> dict:
+        raw = _raw(0.5)
+        pp = raw["chains"]["pingpong"]
+        recv = pp["gap 10"]["one_way_ms"][0] - 0.5
+        for g, hs in per_gap.items():
+            pp[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [1.0] * len(hs), "one_way_ms": [h + recv for h in hs],
+                                "idle_ms": [g] * len(hs), "cpu_ms": list(np.cumsum([0.1] * len(hs)))}
+        return raw
+
+    hops = {1.0: 0.3, 10.0: 0.5, 100.0: 0.9}
+    cal = fit(raw_of({g: [h] * 8 + [2 * h] * 2 for g, h in hops.items()}))
+    pool = np.concatenate([np.array([h] * 8 + [2 * h] * 2) / (h * 9 / 8) for h in hops.values()])  # over the trimmed mean
+    for g, h in hops.items():
+        assert cal.hop.at(g) == pytest.approx(h * 9 / 8, rel=1e-3)  # (7 fast, 1 slow: the ends cut)
+        assert cal.hop_p90.at(g) / cal.hop.at(g) == pytest.approx(float(np.quantile(pool, 0.9)), rel=1e-3)
+    assert cal.hop_p90.at(10.0) / cal.hop.at(10.0) > 1.5
+    # a gap whose hop is a spinning rank's (0.011 ms, about m): its jitter of 10x stays out of the pool
+    spin = fit(raw_of({0.05: [0.011] * 8 + [0.11] * 2, **{g: [h] * 10 for g, h in hops.items()}}))
+    assert spin.hop_p90.at(10.0) == pytest.approx(spin.hop.at(10.0))
+    wild = fit(raw_of({g: [h] * 8 + [50 * h] * 2 for g, h in hops.items()}))
+    assert wild.hop_p90.at(10.0) / wild.hop.at(10.0) == pytest.approx(HOP_SPREAD_MAX)

@@ -81,7 +81,7 @@ def _trimmed(v: Sequence[float] | np.ndarray, cut: float = 0.1) -> float:
     """
     a = np.sort(np.asarray(v, dtype=float))
     n = len(a)
-    k = min((n - 1) // 2, max(1, round(n * cut))) if n >= 3 else 0
+    k = min((n - 1) // 2, max(1, int(n * cut + 0.5))) if n >= 3 else 0
     return float(a[k : n - k].mean()) if n else math.nan
 
 

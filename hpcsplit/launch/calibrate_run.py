@@ -40,6 +40,7 @@ Ranks not in a step wait at a non-spinning barrier.  Rank 0 turns the raw figure
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -372,8 +373,8 @@ def _recv_setup(comm: Any, source: int, what: str, timeout_s: float = 300.0) -> 
 # [Note: stacked wake-ups]
 # Where does a rank woken by a ring run?  On the 2-vCPU development VM (a KVM guest) on the core of the rank that rang
 # it, 95-100 % of the time -- though the other core was idle -- either preempting the ringer (3-11 us after the ring,
-# two bare processes) or waiting until the ringer gives the core up (this step: 39 of 39 rings, woken 322 us after
-# the ring, the ringer's 0.3 ms of work done) (an idle vCPU is halted, and most likely reads as preempted to the guest's scheduler, whose
+# two bare processes) or waiting until the ringer gives the core up (this step: 39 of the 39 rings that woke it, of
+# 40, woken 322 us after the ring, the ringer's 0.3 ms of work done) (an idle vCPU is halted, and most likely reads as preempted to the guest's scheduler, whose
 # search for an idle core then passes it over).  A split's chain then runs on one core while the other idles, until
 # the load fills both: bound to cores (``launcher.mpiexec_args=[-bind-to,core]``), the toy's split answered 6-15 %
 # sooner (docs/simulate.md, stop 48).  The simulator does not model it yet.  So the calibration measures it: rank 0
@@ -388,32 +389,35 @@ PLACEMENT_WORK_S = 300e-6  # ... and keeps its core this long after the ring, as
 def _cpu_reader() -> Any:
     """``sched_getcpu`` (the core this thread runs on), or None where the C library has none."""
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
     fn.restype = ctypes.c_int
     return fn
 
 
 def placement_ringer(comm: Any, peer: int, db: Any, cpu: Any) -> dict[str, list[Any]]:
-    """Rank 0's side of the wake-up placement step (``[Note: stacked wake-ups]``): per ring, whether the woken peer
-    ran on this rank's core, and how long after the ring it woke (us); rings that found the peer awake are left out."""
+    """Rank 0's side of the wake-up placement step (``[Note: stacked wake-ups]``): per ring that woke the peer from
+    its sleep, whether it ran on this rank's core (which this rank kept throughout), and how long after the send (us)."""
     same: list[bool] = []
     woke_us: list[float] = []
     for i in range(PLACEMENT_RINGS):
         comm.send(i, dest=peer, tag=SHARED_CORE_TAG)  # sleep on your doorbell
         time.sleep(PLACEMENT_SLEEP_S)
+        t_arm = time.perf_counter() + 0.1
+        while not db.armed(peer) and time.perf_counter() < t_arm:  # (asleep by now, unless its machine is slow)
+            time.sleep(1e-4)
         core = cpu()
-        h = tp.isend_message(comm, peer, tp.KIND_DATA, (i,))
         t0 = time.perf_counter()
+        h = tp.isend_message(comm, peer, tp.KIND_DATA, (i,))
         rang = db.ring(peer)
         while time.perf_counter() - t0 < PLACEMENT_WORK_S:  # this rank still has work: it keeps its core
             pass
-        h.wait()
-        t_woke, peer_core = _recv_setup(comm, peer, "its wake-up (the placement step)", 300.0)
-        if rang and peer_core >= 0 and core >= 0:
+        kept = cpu() == core
+        if not tp.wait_polling(h.test, 30.0):
+            raise CalibrationError(f"calibration: rank {peer} did not take a message of the placement step in 30 s")
+        t_woke, peer_core, by_ring = _recv_setup(comm, peer, "its wake-up (the placement step)", 300.0)
+        if rang and by_ring and kept and peer_core >= 0 and core >= 0:
             same.append(bool(peer_core == core))
             woke_us.append((t_woke - t0) * 1e6)
     comm.send(None, dest=peer, tag=SHARED_CORE_TAG)
@@ -422,15 +426,18 @@ def placement_ringer(comm: Any, peer: int, db: Any, cpu: Any) -> dict[str, list[
 
 def placement_sleeper(comm: Any, db: Any, cpu: Any) -> None:
     """The peer's side: told to, it sleeps on its doorbell (at most 1 s a time, 300 s in all) until rank 0's message
-    comes, and answers when it woke and on which core."""
-    while _recv_setup(comm, 0, "a ring of the placement step", 300.0) is not None:
+    comes, and answers when it woke, on which core, and whether a ring woke it (not its own probe)."""
+    while (i := _recv_setup(comm, 0, "a ring of the placement step", 300.0)) is not None:
         deadline = time.perf_counter() + 300.0
+        rings = db.wakeups
         while not db.sleep(1.0, db.probe_header):
             if time.perf_counter() > deadline:
                 raise CalibrationError("calibration: rank 0's ring of the placement step did not come within 300 s")
-        t, core = time.perf_counter(), cpu()
-        tp.recv_message(comm, source=0, timeout_s=300.0)
-        comm.send((t, core), dest=0, tag=SHARED_CORE_TAG)
+        t, core, by_ring = time.perf_counter(), cpu(), db.wakeups > rings
+        m = tp.recv_message(comm, source=0, timeout_s=300.0)
+        if m.header.kind != tp.KIND_DATA or m.header.request_ids != (i,):
+            raise CalibrationError(f"calibration: the placement step's message {i} from rank 0 was {m.header}")
+        comm.send((t, core, by_ring), dest=0, tag=SHARED_CORE_TAG)
 
 
 def _outputs(out: Any) -> list[torch.Tensor]:
@@ -758,13 +765,17 @@ def calibrate(comm: Any, cfg: dict[str, Any], s: CalibrateSettings, rt: RuntimeS
     cpu = _cpu_reader()
     if db is not None and cpu is not None and rank in (0, peer):
         if rank == 0:
-            job.raw["placement"] = got = placement_ringer(comm, peer, db, cpu)
-            if got["same_core"]:
-                share = float(np.mean(got["same_core"]))
-                say(0, f"calibration: {100 * share:.0f} % of {len(got['same_core'])} doorbell wake-ups ran on the core "
-                       f"of the rank that rang (woken after p50 {float(np.median(got['woke_us'])):.0f} us)"
+            job.raw["placement"] = placed = placement_ringer(comm, peer, db, cpu)
+            n = len(placed["same_core"])
+            if n:
+                share = float(np.mean(placed["same_core"]))
+                say(0, f"calibration: {100 * share:.0f} % of {n} doorbell wake-ups (of {PLACEMENT_RINGS} rings) ran on "
+                       f"the core of the rank that rang (woken after p50 {float(np.median(placed['woke_us'])):.0f} us)"
                        + ("; where a node has fewer cores than ranks, bind a split plan's ranks to cores "
                           "(launcher.mpiexec_args, docs/simulate.md)" if share > 0.5 else ""))
+            else:
+                say(0, f"calibration: none of {PLACEMENT_RINGS} doorbell rings found rank {peer} asleep: no figure "
+                       "of where a woken rank runs")
         else:
             placement_sleeper(comm, db, cpu)
     job.wait("placement: done")

@@ -226,6 +226,14 @@ class Doorbell:
         self.rings += 1
         return True
 
+    def armed(self, dest: int) -> bool | None:
+        """Whether rank ``dest`` of this node has its flag up (it sleeps, or is about to); None: not on this node."""
+        i = self._local_index.get(dest)
+        if i is None:
+            return None
+        self.win.Sync()
+        return bool(self.flags[i])
+
     def sleep(self, timeout_s: float, probe: Callable[[], bool] | None = None) -> bool:
         """Sleep up to ``timeout_s``; return True when rung (or ``probe()`` saw work) before the timeout."""
         if self.arm(probe):

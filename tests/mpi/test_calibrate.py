@@ -80,8 +80,14 @@ def test_a_short_calibration_writes_a_file_every_reader_takes(tmp_path: Path) ->
         wake = np.subtract(shared["wake"]["evicted_ms"], shared["wake"]["warm_ms"])  # the file holds their median
         assert cal.evicted_us_per_wake == pytest.approx(max(0.0, float(np.median(wake))) * 1e3)
     # [Note: stacked wake-ups]: rank 0 rang a peer asleep on its doorbell; on which core it woke, per ring
-    placed = raw["placement"]
-    assert 0 < len(placed["same_core"]) == len(placed["woke_us"]) <= 40 and min(placed["woke_us"]) > 0
-    assert cal.wake_on_ringer_core == pytest.approx(float(np.mean(placed["same_core"])))
-    assert "doorbell wake-ups ran on the core of the rank that rang" in p.stderr
+    from hpcsplit.launch.calibrate_run import PLACEMENT_RINGS, _cpu_reader
+
+    placed = raw.get("placement")
+    if _cpu_reader() is None:  # (no sched_getcpu here: the step does not run)
+        assert placed is None and cal.wake_on_ringer_core is None
+    else:
+        assert 0 < len(placed["same_core"]) == len(placed["woke_us"]) <= PLACEMENT_RINGS
+        assert min(placed["woke_us"]) > 0
+        assert cal.wake_on_ringer_core == pytest.approx(float(np.mean(placed["same_core"])))
+        assert "doorbell wake-ups (of 40 rings) ran on the core of the rank that rang" in p.stderr
     assert "calibration written to" in p.stderr

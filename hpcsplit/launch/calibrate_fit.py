@@ -163,8 +163,7 @@ def _pingpong(pp: Mapping[str, Any], recv_ms: float, turn_ms: float,
             # one way, or the round trip less the replica's turn and the way back to a rank that just sent
             h = (np.asarray(v["one_way_ms"], dtype=float) - recv_ms if one_way
                  else np.asarray(v["rtt_ms"], dtype=float) - turn_ms - m)
-            gaps[float(v["gap_ms"])] = (_med(v["idle_ms"]), h)
-    gaps = {g: (idle, h[np.isfinite(h)]) for g, (idle, h) in gaps.items()}
+            gaps[float(v["gap_ms"])] = (_med(v["idle_ms"]), h[np.isfinite(h)])
     centre = {g: max(m, _trimmed(h)) if h.size else m for g, (_, h) in gaps.items()}
     ratios = [h / centre[g] for g, (_, h) in gaps.items() if h.size and centre[g] > 2 * m]
     ratio = min(HOP_SPREAD_MAX, max(1.0, float(np.quantile(np.concatenate(ratios), 0.9)))) if ratios else 1.0

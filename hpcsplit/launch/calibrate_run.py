@@ -221,7 +221,7 @@ class _Job:
                                       "cpu_ms": [g[3] for g in got]}
             x = torch.zeros(1, 16, dtype=torch.float64)
             for g in gaps_ms:
-                for _ in range(self._settle(g)):  # [Note: settled gaps]
+                for _ in range(settle_requests(self.s.settle_s, g)):  # [Note: settled gaps]
                     one(x, g / 1e3)
                 got = [one(x, g / 1e3) for _ in range(self._runs(g, self.s.samples))]
                 out[f"gap {g:g}"] = {"gap_ms": g, "rtt_ms": [p[0] for p in got], "one_way_ms": [p[1] for p in got],
@@ -243,7 +243,7 @@ class _Job:
 
         timeout = self.rt.request_timeout_s
         if kind == "gap":
-            skip = max(2, self._settle(arg["gap_ms"]))  # [Note: settled gaps]
+            skip = max(2, settle_requests(self.s.settle_s, arg["gap_ms"]))  # [Note: settled gaps]
             res = fe.run(np.arange(arg["n"] + skip) * arg["gap_ms"] / 1e3, get, None, timeout, self.rt.max_inflight)
         else:  # saturation (everything at once) and turns (one in flight: a working pass admits one or takes one)
             window = 256 if kind == "saturation" else 1
@@ -302,9 +302,6 @@ class _Job:
 
     def _runs(self, gap_ms: float, want: int) -> int:
         return max(3, min(want, int(self.s.max_gap_time_s * 1e3 / gap_ms)))
-
-    def _settle(self, gap_ms: float) -> int:
-        return settle_requests(self.s.settle_s, gap_ms)
 
     def work(self, paths: RunPaths) -> tuple[str | None, list[tuple[str, Any, tuple[torch.Tensor, ...]]]]:
         """(the switchboard's sha256, [(name, program, batch-1 inputs)] of each component and the whole model); (None,
@@ -374,8 +371,8 @@ def _recv_setup(comm: Any, source: int, what: str, timeout_s: float = 300.0) -> 
 # Where does a rank woken by a ring run?  On the 2-vCPU development VM (a KVM guest) on the core of the rank that rang
 # it, 95-100 % of the time -- though the other core was idle -- either preempting the ringer (3-11 us after the ring,
 # two bare processes) or waiting until the ringer gives the core up (this step: 39 of the 39 rings that woke it, of
-# 40, woken 322 us after the ring, the ringer's 0.3 ms of work done) (an idle vCPU is halted, and most likely reads as preempted to the guest's scheduler, whose
-# search for an idle core then passes it over).  A split's chain then runs on one core while the other idles, until
+# 40, woken 322 us after the ring, the ringer's 0.3 ms of work done).  An idle vCPU is halted, and most likely reads
+# as preempted to the guest's scheduler, whose search for an idle core then passes it over.  A split's chain then runs on one core while the other idles, until
 # the load fills both: bound to cores (``launcher.mpiexec_args=[-bind-to,core]``), the toy's split answered 6-15 %
 # sooner (docs/simulate.md, stop 48).  The simulator does not model it yet.  So the calibration measures it: rank 0
 # tells a peer on its node to sleep on its doorbell, rings it after a message, and keeps its core a while (as a rank

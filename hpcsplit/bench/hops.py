@@ -282,19 +282,22 @@ def simulated_ways(sim: list[tuple[int, int, float, float, int, float, float, fl
                    ) -> dict[tuple[int, int], dict[str, float]]:
     """Per edge, medians (ms) of the simulated messages' send-to-taken times (``way``) and of its parts: the wait
     for the receiver's work (``busy``), the hop delay of a sleeping receiver (``hop``) and the wait for a core
-    (``core``; :func:`~hpcsplit.core.simulator.simulate`'s ``hops``), each message counted once per request."""
+    (``core``; :func:`~hpcsplit.core.simulator.simulate`'s ``hops``), and the way's p90 (``way_p90``), each message
+    counted once per request."""
     by: dict[tuple[int, int], list[tuple[float, ...]]] = defaultdict(list)
     for a, b, sent, taken, n, dlv, busy, hop in sim:
         core = max(0.0, taken - dlv - busy - hop)
         by[(a, b)] += [((taken - sent) * 1e3, busy * 1e3, hop * 1e3, core * 1e3)] * max(1, n)
-    return {k: dict(zip(SIM_PARTS, np.median(np.array(v), axis=0).tolist(), strict=True)) for k, v in by.items()}
+    return {k: {**dict(zip(SIM_PARTS, np.median(np.array(v), axis=0).tolist(), strict=True)),
+                "way_p90": float(np.quantile(np.array(v)[:, 0], 0.9))} for k, v in by.items()}
 
 
 def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None,
               sim: dict[tuple[int, int], dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """One row per edge: requests, medians of gap, busy and hop, the hop's p90, the calibrated hop's median and,
-    with ``sim`` (:func:`simulated_ways`), the measured and simulated medians of send to taken (busy + hop) and
-    the simulated way's parts (its waits for the receiver's work, its hop delay, its wait for a core)."""
+    with ``sim`` (:func:`simulated_ways`), the measured and simulated medians of send to taken (busy + hop), the
+    simulated way's parts (its waits for the receiver's work, its hop delay, its wait for a core) and the measured
+    and simulated p90s of the way (the tails a p99 is made of)."""
     by: dict[tuple[int, int], list[Hop]] = defaultdict(list)
     for h in hops:
         by[(h.src, h.dst)].append(h)
@@ -311,10 +314,13 @@ def edge_rows(hops: list[Hop], labels: dict[int, str], cal: Calibration | None,
             row["calibrated_p50_ms"] = c
             row["measured_over_calibrated"] = row["hop_p50_ms"] / c if c > 0 else math.nan
         if sim is not None:
-            row["way_p50_ms"] = float(np.median([h.busy_ms + h.hop_ms for h in hs]))
+            way = [h.busy_ms + h.hop_ms for h in hs]
+            row["way_p50_ms"] = float(np.median(way))
             got = sim.get((a, b), {})
             for part in SIM_PARTS:
                 row[f"simulated_{part}_p50_ms"] = got.get(part, math.nan)
+            row["way_p90_ms"] = float(np.quantile(way, 0.9))
+            row["simulated_way_p90_ms"] = got.get("way_p90", math.nan)
         rows.append(row)
     return rows
 
@@ -323,7 +329,8 @@ def _table(rows: list[dict[str, Any]], cal: bool) -> str:
     sim = bool(rows) and "simulated_way_p50_ms" in rows[0]
     head = f"{'edge':<34} {'n':>6} {'gap p50':>9} {'busy p50':>8} {'hop p50':>8} {'hop p90':>8}"
     head += f" {'calib.':>8} {'meas/cal':>8}" if cal else ""
-    head += f" {'way':>7} {'sim way':>7} {'sim/way':>7} {'s.busy':>7} {'s.hop':>7} {'s.core':>7}" if sim else ""
+    head += (f" {'way':>7} {'sim way':>7} {'sim/way':>7} {'s.busy':>7} {'s.hop':>7} {'s.core':>7} {'way p90':>7}"
+             f" {'sim p90':>7}") if sim else ""
     lines = [head + "   (ms)", "-" * len(head)]
     for r in rows:
         line = (f"{r['edge'][:34]:<34} {r['requests']:>6} {r['gap_p50_ms']:>9.3f} {r['busy_p50_ms']:>8.3f} "
@@ -334,6 +341,7 @@ def _table(rows: list[dict[str, Any]], cal: bool) -> str:
             w, sw = r["way_p50_ms"], r["simulated_way_p50_ms"]
             line += f" {w:>7.3f} {sw:>7.3f} {sw / w if w > 0 else math.nan:>6.2f}x"
             line += "".join(f" {r[f'simulated_{k}_p50_ms']:>7.3f}" for k in SIM_PARTS[1:])
+            line += f" {r['way_p90_ms']:>7.3f} {r['simulated_way_p90_ms']:>7.3f}"
         lines.append(line)
     tot, busy = sum(r["hop_p50_ms"] for r in rows), sum(r["busy_p50_ms"] for r in rows)
     last = f"{'sum over the edges':<34} {'':>6} {'':>9} {busy:>8.3f} {tot:>8.3f} {'':>8}"
@@ -440,7 +448,8 @@ def main(argv: list[str]) -> int:
               "simulator's charge before any wait for a core)"
               + ("; way: busy + hop, measured; sim way: the simulated send to taken, and its parts: s.busy the wait "
                  "for the receiver's work, s.hop the hop delay of a sleeping receiver, s.core the wait for a core "
-                 "(medians: the parts need not add up to the way)" if sim else ""))
+                 "(medians: the parts need not add up to the way); way p90, sim p90: the way's p90, measured and "
+                 "simulated" if sim else ""))
         spans = span_rows(trace_dir, keep, traces)
         if spans:
             print(f"\n# the ranks' own spans{what}: wall time against the thread's CPU (waited: inside the span, not "

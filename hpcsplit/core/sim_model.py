@@ -132,7 +132,7 @@ def _sum_curves(curves: Sequence[Curve]) -> Curve:
 def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, calibration: Calibration,
                  policy: ServePolicy, *, variant: str = "split", groups: Sequence[Sequence[str]] = (),
                  cores_per_node: float | None = None, switchboard_sha256: str | None = None,
-                 scale: Mapping[str, float] | None = None) -> SimSystem:
+                 scale: Mapping[str, float] | None = None, bind_cores: bool = False) -> SimSystem:
     """The :class:`SimSystem` of ``plan`` served as ``variant`` (``[Note: simulated variants]``).
 
     Parameters
@@ -149,6 +149,8 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
     scale : mapping, optional
         Component -> factor on its profiled latencies (the machine's speed now against the profile's: the floor
         a bench re-measured, ``[Note: floor re-measured]``).
+    bind_cores : bool
+        CPU plans: each rank bound to one core of its node, in rank order (``SimSystem.bind_cores``).
     """
     if variant == "whole":
         g, members = grouped(graph, [list(graph.names)])
@@ -227,4 +229,4 @@ def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: Si
         c = float(cores_per_node or calibration.cores_per_node or 1)
         cores = (c,) * plan.nodes
     return SimSystem(f"{plan.model}:{variant}", tuple(comps), tuple(entry.items()), n_out, tuple(ranks), cores,
-                     calibration, policy)
+                     calibration, policy, bind_cores and cpu)

@@ -33,7 +33,8 @@ What it models is what the runtime does (``hpcsplit/runtime/``), rule for rule:
   idle gap; a sleep is never longer than the rank's next timer (the frontend's next arrival or deadline, a
   waiting batch's ``max_wait_ms``): whichever of the ring and the timer comes first ends it;
 - **time-shared CPU** (CPU plans): a rank's turn needs one of its node's cores, and waits in the node's run queue
-  when every core is held (``[Note: run queues]``); the ranks holding cores run at ``cores / threads`` of their
+  when every core is held (``[Note: run queues]``), or for its own core when it is bound or its wake-up was placed
+  on its ringer's core (``[Note: wake-up placement]``); the ranks holding cores run at ``cores / threads`` of their
   speed when the ranks backing off after their spin take a share too (``[Note: idle CPU]``), and ``k`` ranks
   computing at once each run ``corun_slowdown[k-1]`` slower (memory bandwidth).
 
@@ -52,6 +53,30 @@ a toy bench's ranks waited 300-800 us per scheduling at 2,048 req/s (``schedstat
 the toy's predicted p50 at 2,048 and 6,000 req/s went from 35-55 % low to 10-18 % low (one level 8 % high), and
 in a later run with a faster hour's calibration from 43-61 % low to 19-42 % low; a wait per hop on a busy node is
 still missing (``docs/simulate.md``, "Run queues").
+
+[Note: wake-up placement]
+The run queue knows which core each rank holds.  A rank taking a free core takes the one it last ran on if free,
+else the first free.  Two things tie a rank to one core, and it then waits for that core though another is free:
+- **stacked wake-ups** (``[Note: stacked wake-ups]`` in :mod:`hpcsplit.launch.calibrate_run`): on the development
+  VM a rank rung by a rank of its node wakes on the ringer's core 95-100 % of the time.  The calibration measures
+  that share (``wake_on_ringer_core``).  A sleeping rank rung from its node is placed, with that probability, on the
+  core the ringer holds (or last held); when its hop delay has passed it waits for that core.  A spinning holder is
+  preempted at once (a task that ran long yields to a woken one); a working one keeps the core until it sleeps or
+  its slice ends, and a rank that lost its core at a slice's end waits for the same core.  As the kernel balances
+  its run queues, a core falling idle with no rank waiting for it takes the first rank waiting for another core
+  (newly idle balancing), and a core already idle does so at the next scheduler tick (``BALANCE_TICK_S``, 4 ms at
+  ``CONFIG_HZ=250``).  Not measured, or 0: no placement, the run queue as before.  So a split's branches rung by one
+  rank share its core until a tick or a core falling idle parts them, and a chain's ranks gather on one core
+  until their work overlaps;
+- **bound ranks** (``SimSystem.bind_cores``, ``simulate.bind`` or ``-bind-to core`` in ``launcher.mpiexec_args``):
+  each rank runs only on core ``i % cores`` of its node, ``i`` its place among the node's ranks in rank order (as
+  MPICH's ``-bind-to core`` deals them out); a bound rank never stacks and is never moved.
+Against a toy bench of stop 49 with its own calibration (95 % stacked; docs/simulate.md, "Wake-up placement"), the
+p50s from 256 to 6,000 req/s went from -13..+15 % to -9..+8 % (whole at 6,000 req/s +15 to +8 %, split at 256 -12
+to -9 %, at 6,000 -13 to -8 %) and the p99s from 28-40 % low to 20-36 % low; without the two balancings the p99s
+were closer (-28..+21 %) but the p50s from 2,048 req/s up went 10-50 % high.  The split's saturated throughput is
+predicted 17 % high (20 % without placement).  A ringer preempted between the sends of one batch (7-14 % of the
+multi-destination sends in a traced run, some 400 us each) is not modelled.
 
 [Note: idle CPU]
 A rank idle between messages is not free: after its spin the runtime's backoff (``mailbox.Backoff``) sleeps
@@ -109,11 +134,12 @@ STATUS_PENDING = 0
 STATUS_OK = 1  # as runtime.frontend.STATUS_OK
 STATUS_TIMEOUT = 2
 
-_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE, _IDLEW, _SLICE = 0, 1, 2, 3, 4, 5, 6, 7
+_ARR, _DLV, _TURN, _DONE, _SPIN, _DUE, _IDLEW, _SLICE, _BAL = 0, 1, 2, 3, 4, 5, 6, 7, 8
 _IDLE, _SCHEDULED, _BUSY, _SPINNING, _QUEUED = 0, 1, 2, 3, 4  # a rank's states (_QUEUED: its turn waits for a core)
 _OWN, _RING, _TIMER = 0, 1, 2  # what a scheduled turn is: the rank's own (no sleep), a ring or a timer ending a sleep
 _Q_TURN, _Q_JOB, _Q_SPIN = 0, 1, 2  # what a rank waiting for a core does once it has one
 BASE_SLICE_S = 0.75e-3  # EEVDF's base slice (Linux 6.6 on: sysctl_sched_base_slice)
+BALANCE_TICK_S = 4e-3  # the scheduler tick at which an idle core is sent to pull waiting ranks (CONFIG_HZ=250)
 HOP_SIGMA_MAX = math.log(HOP_SPREAD_MAX) / 1.2816  # a hop's lognormal spread at most: its p90 4x its p50
 
 
@@ -168,6 +194,7 @@ class SimSystem:
     node_cores: tuple[float, ...]  # per node: cores that compute shares (CPU plans); () = compute on devices
     calibration: Calibration
     policy: ServePolicy = field(default_factory=ServePolicy)
+    bind_cores: bool = False  # each rank bound to one core of its node, in rank order (``[Note: wake-up placement]``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,18 +216,20 @@ class SimRun:
 
 
 class _Noise:
-    """Standard normal draws in blocks (one ``numpy`` call per 4096 draws)."""
+    """Standard normal draws (uniform in [0, 1) with ``uniform``) in blocks (one ``numpy`` call per 4096 draws)."""
 
-    __slots__ = ("_buf", "_i", "_rng")
+    __slots__ = ("_buf", "_i", "_rng", "_uniform")
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int | list[int], uniform: bool = False) -> None:
         self._rng = np.random.default_rng(seed)
+        self._uniform = uniform
         self._buf: list[float] = []
         self._i = 0
 
     def __call__(self) -> float:
         if self._i >= len(self._buf):
-            self._buf = self._rng.standard_normal(4096).tolist()
+            draw = self._rng.random if self._uniform else self._rng.standard_normal
+            self._buf = draw(4096).tolist()
             self._i = 0
         self._i += 1
         return self._buf[self._i - 1]
@@ -292,6 +321,22 @@ class _Sim:
         self.armed = [-1] * n  # the hold whose slice end is in the heap
         self.held_since = [0.0] * n
         self.spin_until = [0.0] * n
+        # [Note: wake-up placement]: which core each rank holds (or last held), which rank holds each core, and the
+        # core a rank's wake-up was placed on (-1: any free core)
+        self.core = [-1] * n
+        self.holder = [[-1] * k for k in self.slots]
+        self.bound = [-1] * n
+        self.qcore = [-1] * n  # ... the core a queued rank waits for (-1: any)
+        self.bal_armed = [False] * nodes  # a balancing tick is in the heap
+        self.pinned = [-1] * n  # a bound rank's core
+        if self.shared and s.bind_cores:  # as MPICH's -bind-to core: the node's ranks in order, wrapping around
+            for k, rs in enumerate(self.node_ranks):
+                for i, r in enumerate(rs):
+                    self.pinned[r] = i % self.slots[k]
+        self.p_stack = float(cal.wake_on_ringer_core or 0.0) if self.shared and not s.bind_cores else 0.0
+        self.stack = self.p_stack > 0.0
+        self.keep_core = self.stack or (self.shared and s.bind_cores)  # a rank that lost its core waits for it
+        self.place = _Noise([seed, 1], uniform=True)
         self.slice_s = sched_slice_s(max(self.cores)) if self.shared else math.inf
         self.idle_w = [0.0] * nodes  # the cores' share the backing-off ranks take (``[Note: idle CPU]``)
         self.iw = [0.0] * n  # this rank's share of it now
@@ -486,6 +531,7 @@ class _Sim:
         self.due[r] = at
         self.state[r] = _SCHEDULED
         self.wk[r] = kind
+        self.bound[r] = -1
         self.turn_at[r] = at
         self.tv[r] += 1
         self.push(at, _TURN, r, self.tv[r])
@@ -505,13 +551,19 @@ class _Sim:
         """A scheduled turn comes: on a shared node the rank needs a core first (``[Note: run queues]``)."""
         if self.shared and not self.oncore[r]:
             node = self.node[r]
-            if self.used[node] >= self.slots[node]:
+            b, h = (self.pinned[r] if self.pinned[r] >= 0 else self.bound[r]), -1
+            if b >= 0:  # placed on the ringer's core ([Note: wake-up placement]): it waits for that core
+                h = self.holder[node][b]
+                if h >= 0 and self.state[h] == _SPINNING:  # a spinning holder is preempted
+                    self._leave_core(h, t, _Q_SPIN)
+                    h = -1
+            if (b >= 0 and h >= 0) or (b < 0 and self.used[node] >= self.slots[node]):
                 self.state[r] = _QUEUED
                 if self.idle_on:  # woken: its backoff ends (a rank waiting for a core does not poll)
                     self.wake(r, t)
-                self._enqueue(r, _Q_TURN, t)
+                self._enqueue(r, _Q_TURN, t, b)
                 return
-            self._hold(r, t)
+            self._hold(r, t, b)
         self._run_turn(r, t)
 
     def _run_turn(self, r: int, t: float) -> None:
@@ -538,10 +590,16 @@ class _Sim:
             self.backoff(r, t)
 
     # ------------------------------------------------------------------ run queues ([Note: run queues])
-    def _hold(self, r: int, t: float) -> None:
-        """Rank ``r`` takes a free core of its node."""
+    def _hold(self, r: int, t: float, core: int = -1) -> None:
+        """Rank ``r`` takes a free core of its node: ``core``, or (-1) the one it last held if free, else the first
+        free."""
         node = self.node[r]
         self._advance(node, t)
+        held = self.holder[node]
+        if core < 0:
+            core = self.core[r] if 0 <= self.core[r] < len(held) and held[self.core[r]] < 0 else held.index(-1)
+        held[core] = r
+        self.core[r] = core
         self.oncore[r] = True
         self.used[node] += 1
         self.runv[r] += 1
@@ -551,47 +609,99 @@ class _Sim:
             self.push(t + self.slice_s, _SLICE, r, self.runv[r])
         self._reschedule(node, t)
 
-    def _release(self, r: int, t: float) -> None:
-        """Rank ``r`` sleeps: its core goes to the first rank waiting for one."""
-        if not self.oncore[r]:
-            return
+    def _unhold(self, r: int, t: float) -> None:
+        """Rank ``r`` gives up the core it holds (the node brought up to ``t`` first)."""
         node = self.node[r]
         self._advance(node, t)
         self.oncore[r] = False
         self.used[node] -= 1
         self.runv[r] += 1
+        self.holder[node][self.core[r]] = -1
         self._reschedule(node, t)
-        self._dispatch(node, t)
 
-    def _enqueue(self, r: int, what: int, t: float) -> None:
+    def _release(self, r: int, t: float) -> None:
+        """Rank ``r`` sleeps: its core goes to the first rank waiting for one."""
+        if not self.oncore[r]:
+            return
+        self._unhold(r, t)
+        self._dispatch(self.node[r], t, self.core[r])
+
+    def _leave_core(self, r: int, t: float, what: int) -> None:
+        """Rank ``r`` (computing or spinning) loses its core to a waiting one and waits for a core again: for the
+        same core where a wake-up can stack on it (``[Note: wake-up placement]``), else for any."""
+        self._unhold(r, t)
+        self._enqueue(r, what, t, self.core[r] if self.keep_core else -1)
+
+    def _enqueue(self, r: int, what: int, t: float, core: int = -1) -> None:
         node = self.node[r]
         self.qwhat[r] = what
+        self.qcore[r] = core
         self.runq[node].append(r)
+        if core >= 0 and self.stack and not self.bal_armed[node] and self.used[node] < self.slots[node]:
+            self.bal_armed[node] = True  # it waits for a held core while one is idle: the next tick moves it
+            self.push((math.floor(t / BALANCE_TICK_S) + 1) * BALANCE_TICK_S, _BAL, node)
         for o in self.node_ranks[node]:  # whoever holds a core here now has a slice's end
             if self.oncore[o] and self.armed[o] != self.runv[o]:
                 self.armed[o] = self.runv[o]
                 self.push(max(t, self.held_since[o] + self.slice_s), _SLICE, o, self.runv[o])
 
-    def _dispatch(self, node: int, t: float) -> None:
-        """Free cores go to the waiting ranks, first come first."""
+    def _next_waiting(self, node: int) -> int:
+        """The first rank in the node's run queue that a free core can take (one waiting for a core held by another
+        rank stays), or -1."""
+        if self.used[node] >= self.slots[node]:
+            return -1
+        held = self.holder[node]
+        for i, r in enumerate(self.runq[node]):
+            if self.qcore[r] < 0 or held[self.qcore[r]] < 0:
+                del self.runq[node][i]
+                return r
+        return -1
+
+    def _pull(self, node: int, core: int) -> int:
+        """A core that fell idle with no rank waiting for it takes the first rank waiting for another core that
+        may move (not a bound one), as the kernel's balancing of a newly idle core does (``[Note: wake-up
+        placement]``); -1 when none waits."""
         q = self.runq[node]
-        while q and self.used[node] < self.slots[node]:
-            r = q.popleft()
-            what = self.qwhat[r]
-            self._hold(r, t)
-            if what == _Q_TURN:
-                self.state[r] = _SCHEDULED
-                self._run_turn(r, t)
-            elif what == _Q_JOB:  # (_hold brought the node up to t)
-                self.jobs[node][r] = [self.qwork[r], float(self.threads[r])]
-                self._reschedule(node, t)
-            elif self.inbox[r] or (r == 0 and self._fe_has_work(t)):  # a spinner back on a core polls
-                self.sv[r] += 1
-                self.state[r] = _SCHEDULED
-                self.wk[r] = _OWN
-                self._run_turn(r, t)
-            elif t >= self.spin_until[r]:
-                self._to_idle(r, t)
+        for i, r in enumerate(q):
+            if self.pinned[r] < 0:
+                del q[i]
+                self.qcore[r] = core
+                return r
+        return -1
+
+    def _dispatch(self, node: int, t: float, freed: int = -1) -> None:
+        """Free cores go to the waiting ranks, first come first (``[Note: run queues]``); ``freed``, the core that
+        fell idle, pulls a rank waiting for another core when none waits for it."""
+        while (r := self._next_waiting(node)) >= 0 or (
+                freed >= 0 and self.holder[node][freed] < 0 and (r := self._pull(node, freed)) >= 0):
+            self._resume(node, r, t)
+
+    def _balance(self, node: int, t: float) -> None:
+        """The scheduler's tick: each idle core pulls a rank waiting for a held core (``[Note: wake-up
+        placement]``)."""
+        self.bal_armed[node] = False
+        held = self.holder[node]
+        for k in range(len(held)):
+            if held[k] < 0 and (r := self._pull(node, k)) >= 0:
+                self._resume(node, r, t)
+
+    def _resume(self, node: int, r: int, t: float) -> None:
+        """Rank ``r``, taken off the run queue, has its core (``qcore``, or any free one) and goes on."""
+        what = self.qwhat[r]
+        self._hold(r, t, self.qcore[r])
+        if what == _Q_TURN:
+            self.state[r] = _SCHEDULED
+            self._run_turn(r, t)
+        elif what == _Q_JOB:  # (_hold brought the node up to t)
+            self.jobs[node][r] = [self.qwork[r], float(self.threads[r])]
+            self._reschedule(node, t)
+        elif self.inbox[r] or (r == 0 and self._fe_has_work(t)):  # a spinner back on a core polls
+            self.sv[r] += 1
+            self.state[r] = _SCHEDULED
+            self.wk[r] = _OWN
+            self._run_turn(r, t)
+        elif t >= self.spin_until[r]:
+            self._to_idle(r, t)
 
     def _fe_has_work(self, t: float) -> bool:
         return (self.nxt < len(self.arr) and self.arr[self.nxt] <= t
@@ -603,7 +713,8 @@ class _Sim:
         if version != self.runv[r]:
             return
         self.armed[r] = -1
-        if not self.runq[node]:
+        mine = self.core[r]
+        if not any(self.qcore[o] < 0 or self.qcore[o] == mine for o in self.runq[node]):  # none waits for its core
             return
         if self.state[r] == _BUSY and r in self.jobs[node]:
             self._advance(node, t)
@@ -611,23 +722,19 @@ class _Sim:
             self.jv[r] += 1  # its end moves
             what = _Q_JOB
         elif self.state[r] == _SPINNING:
-            self._advance(node, t)  # its spin so far counts as CPU before it leaves the core
-            what = _Q_SPIN
+            what = _Q_SPIN  # (its spin so far counts as CPU before it leaves the core)
         else:
             if self.state[r] == _SCHEDULED:  # its turn runs at this instant: the slice ends once it has
                 self.armed[r] = self.runv[r]
                 self.push(max(t, self.turn_at[r]), _SLICE, r, self.runv[r])
             return
-        self.oncore[r] = False
-        self.used[node] -= 1
-        self.runv[r] += 1
-        self._reschedule(node, t)
-        self._enqueue(r, what, t)
-        self._dispatch(node, t)
+        self._leave_core(r, t, what)
+        self._dispatch(node, t, self.core[r])
 
-    def ring(self, r: int, t: float, cross: bool) -> None:
-        """A message reached rank ``r`` at ``t``: a polling rank takes it now, a sleeping one when the hop delay
-        of its idle gap has passed, unless its timer ends the sleep sooner."""
+    def ring(self, r: int, t: float, cross: bool, src: int = -1) -> None:
+        """A message reached rank ``r`` at ``t`` from rank ``src``: a polling rank takes it now, a sleeping one when
+        the hop delay of its idle gap has passed, unless its timer ends the sleep sooner; the wake-up runs on the
+        ringer's core with the calibrated share (``[Note: wake-up placement]``)."""
         st = self.state[r]
         if st == _SPINNING:
             self.turn_now(r, t)
@@ -635,6 +742,8 @@ class _Sim:
             at = t + self.hop_extra(t - self.last[r], cross)
             if st == _IDLE or at < self.turn_at[r]:
                 self.schedule(r, at, _RING)
+                if self.stack and not cross and src >= 0 and self.place() < self.p_stack:
+                    self.bound[r] = self.core[src]
 
     def fe_timer(self, t: float) -> None:
         """The frontend's sleep is timed to end at ``t`` (an arrival, a deadline): it runs the timer's lag later,
@@ -692,7 +801,7 @@ class _Sim:
                 self.inbox[r].append((ids, path))
                 if self.hops is not None:
                     self.sent[r].append((src, sent, len(ids), t, self.state[r] == _BUSY))
-                self.ring(r, t, cross)
+                self.ring(r, t, cross, src)
             elif kind == _DONE:
                 if payload == self.jv[r] and self.job[r] is not None:
                     if r == 0:
@@ -707,6 +816,8 @@ class _Sim:
                     self.turn(r, t)
             elif kind == _SLICE:
                 self.slice_end(r, t, payload)
+            elif kind == _BAL:  # (r: the node)
+                self._balance(r, t)
             elif kind == _ARR:  # arrival ``payload`` (a frontend's turn at that instant may have seen it already)
                 self.nxt = max(self.nxt, payload + 1)
                 if self.nxt < n_req:

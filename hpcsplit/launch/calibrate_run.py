@@ -372,12 +372,14 @@ def _recv_setup(comm: Any, source: int, what: str, timeout_s: float = 300.0) -> 
 # it, 95-100 % of the time -- though the other core was idle -- either preempting the ringer (3-11 us after the ring,
 # two bare processes) or waiting until the ringer gives the core up (this step: 39 of the 39 rings that woke it, of
 # 40, woken 322 us after the ring, the ringer's 0.3 ms of work done).  An idle vCPU is halted, and most likely reads
-# as preempted to the guest's scheduler, whose search for an idle core then passes it over.  A split's chain then runs on one core while the other idles, until
-# the load fills both: bound to cores (``launcher.mpiexec_args=[-bind-to,core]``), the toy's split answered 6-15 %
-# sooner (docs/simulate.md, stop 48).  The simulator does not model it yet.  So the calibration measures it: rank 0
-# tells a peer on its node to sleep on its doorbell, rings it after a message, and keeps its core a while (as a rank
-# with more to send); the peer answers on which core it woke (``sched_getcpu``).  The file keeps the share of rings
-# that woke the peer on rank 0's core (``wake_on_ringer_core``); on a bare node it should be near 0.
+# as preempted to the guest's scheduler, whose search for an idle core then passes it over.  A split's chain then runs
+# on one core while the other idles, until the load fills both: bound to cores
+# (``launcher.mpiexec_args=[-bind-to,core]``), the toy's split answered 6-15 % sooner (docs/simulate.md, stop 48). So
+# the calibration measures it, and the simulator places wake-ups by it (``[Note: wake-up placement]`` in
+# ``core/simulator.py``): rank 0 tells a peer on its node to sleep on its doorbell, rings it after a message, and
+# keeps its core a while (as a rank with more to send); the peer answers on which core it woke (``sched_getcpu``).
+# The file keeps the share of rings that woke the peer on rank 0's core (``wake_on_ringer_core``); on a bare node it
+# should be near 0.
 PLACEMENT_RINGS = 40  # rings of the wake-up placement step
 PLACEMENT_SLEEP_S = 3e-3  # rank 0 waits this long after telling the peer to sleep (it is asleep by then)
 PLACEMENT_WORK_S = 300e-6  # ... and keeps its core this long after the ring, as a rank with more to send

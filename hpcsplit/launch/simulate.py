@@ -31,6 +31,7 @@ import calendar
 import csv
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import time
@@ -77,6 +78,7 @@ class SimulateSettings:
     variants: tuple[str, ...]
     runs: int
     seed: int
+    bind: str | None  # "core", "none", or None: as launcher.mpiexec_args binds
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> SimulateSettings:
@@ -97,9 +99,26 @@ class SimulateSettings:
             else:
                 qps = tuple(float(x) for x in items)
         out = cls(qps=qps, arrivals=_names(c, "arrivals", ARRIVALS), variants=_names(c, "variants", VARIANTS),
-                  runs=c.integer("runs", lo=1, hi=1000), seed=c.integer("seed"))
+                  runs=c.integer("runs", lo=1, hi=1000), seed=c.integer("seed"),
+                  bind=c.choice("bind", (None, "core", "none")))
         c.done()
         return out
+
+    def binds_cores(self, cfg: Mapping[str, Any]) -> bool:
+        """Whether the ranks run bound to cores (``[Note: wake-up placement]`` in :mod:`hpcsplit.core.simulator`): ``simulate.bind``, else as the
+        launcher's mpiexec arguments bind them (``-bind-to core`` / ``--bind-to core``, MPICH or Open MPI).
+
+        >>> s = SimulateSettings.from_config({})
+        >>> s.binds_cores({"launcher": {"mpiexec_args": ["-bind-to", "core"]}}), s.binds_cores({})
+        (True, False)
+        """
+        if self.bind is not None:
+            return self.bind == "core"
+        launcher = cfg.get("launcher")
+        args = launcher.get("mpiexec_args") if isinstance(launcher, Mapping) else None
+        args = [str(a) for a in args] if isinstance(args, list | tuple) else []
+        return any(a in ("-bind-to", "--bind-to") and b == "core" for a, b in itertools.pairwise(args)) or any(
+            a in ("-bind-to=core", "--bind-to=core") for a in args)
 
 
 SETTINGS: dict[str, type | dict[str, type]] = {"simulate": SimulateSettings}
@@ -422,9 +441,9 @@ def schedule_of(cfg: Mapping[str, Any], s: SimulateSettings, rec: Mapping[str, A
 
 def systems_for(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, cal: Calibration,
                 policy: ServePolicy, variants: Sequence[str], cores: float, sha: str | None,
-                scale: Mapping[str, float] | None = None) -> dict[str, SimSystem]:
+                scale: Mapping[str, float] | None = None, bind: bool = False) -> dict[str, SimSystem]:
     return {v: build_system(plan, profiles, graph, cal, policy, variant=v, cores_per_node=cores,
-                            switchboard_sha256=sha, scale=scale) for v in variants}
+                            switchboard_sha256=sha, scale=scale, bind_cores=bind) for v in variants}
 
 
 def floor_scale(paths: RunPaths) -> dict[str, float] | None:
@@ -464,7 +483,8 @@ def simulated_hops(cfg: dict[str, Any], run_dir: Path, cal: Calibration, variant
                           f"{', '.join(f'{q:g}' for q in sched.qps)})")
     i = level[0]
     system = build_system(inp.plan, _profiles(paths), SimGraph.from_layout(inp.layout), cal, sched.policy,
-                          variant=variant, cores_per_node=float(inp.cluster.cores_per_node), switchboard_sha256=inp.sha)
+                          variant=variant, cores_per_node=float(inp.cluster.cores_per_node), switchboard_sha256=inp.sha,
+                          bind_cores=s.binds_cores(cfg))
     hops: list[tuple[int, int, float, float, int, float, float, float]] = []
     simulate(system, _level_arrivals(sched, sched.arrival, i), seed=_run_seed(s.seed, 0, i), hops=hops)
     return hops
@@ -501,10 +521,18 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     plan, layout, sha, cluster, bench, sched = _inputs(cfg, s, paths)
     cal = calibration_for(paths.calibration, paths.calibration_given)
     print(cal.describe(), flush=True)
+    bind = s.binds_cores(cfg)
+    if plan.device_kind == "cpu" and bind:
+        print("ranks bound to cores (simulate.bind, or -bind-to core in launcher.mpiexec_args): each runs on one core "
+              "of its node, in rank order", flush=True)
+    elif plan.device_kind == "cpu" and cal.wake_on_ringer_core:
+        print(f"ranks placed by the kernel: {cal.wake_on_ringer_core:.0%} of the wake-ups a rank on the same node rings "
+              "run on the ringer's core (the calibration's wake_on_ringer_core, [Note: wake-up placement]); "
+              "simulate.bind=core to simulate them bound", flush=True)
     t0 = time.perf_counter()
     profiles, graph = _profiles(paths), SimGraph.from_layout(layout)  # read once: every simulation below uses them
     systems = systems_for(plan, profiles, graph, cal, sched.policy, s.variants,
-                          float(cluster.cores_per_node), sha)
+                          float(cluster.cores_per_node), sha, bind=bind)
     arrivals = tuple(dict.fromkeys((sched.arrival, *s.arrivals)))
     pred = predict(systems, sched, arrivals, s.runs, s.seed)
     out = paths.simulate_dir
@@ -519,7 +547,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         scale = floor_scale(paths)
         if scale:  # the same simulation with the profile moved to the machine's speed during the bench
             now = predict(systems_for(plan, profiles, graph, cal, sched.policy,
-                                      s.variants, float(cluster.cores_per_node), sha, scale),
+                                      s.variants, float(cluster.cores_per_node), sha, scale, bind),
                           sched, (sched.arrival,), s.runs, s.seed)
             by = {(p.variant, p.offered_qps): p for p in now}
             for r in rows:
@@ -534,7 +562,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                   + "; predictions with the profile moved to that speed are the predicted_now_* columns of compare.csv",
                   flush=True)
         at_speed(rows, plan, profiles, graph, cal, sched, float(cluster.cores_per_node),
-                 sha, s.runs, s.seed)
+                 sha, s.runs, s.seed, bind)
         _write_csv(out / "compare.csv", [{**r, "target": verdict(r), "target_at_speed": verdict_at_speed(r)} for r in rows])
         table = format_compare(rows)
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
@@ -577,7 +605,8 @@ def calibration_age_note(age_min: float) -> str:
 
 
 def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph,
-             cal: Calibration, sched: Schedule, cores: float, sha: str | None, runs: int, seed: int) -> None:
+             cal: Calibration, sched: Schedule, cores: float, sha: str | None, runs: int, seed: int,
+             bind: bool = False) -> None:
     """Add to each compared level the prediction with every component's compute (its profile and its cold extras)
     moved by the level's ``compute_ratio`` (``[Note: the level's speed]``): the ``at_speed_*`` columns, NaN where the
     ratio is unknown."""
@@ -585,7 +614,7 @@ def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, Comp
         f = float(r.get("compute_ratio", math.nan))
         p = None
         if math.isfinite(f) and 0 < f < 1e6 and r["offered_qps"] in sched.qps:
-            system = at_speed_system(plan, profiles, graph, cal, sched.policy, r["variant"], cores, sha, f)
+            system = at_speed_system(plan, profiles, graph, cal, sched.policy, r["variant"], cores, sha, f, bind)
             p = predict_level(r["variant"], system, sched, sched.arrival, sched.qps.index(r["offered_qps"]), runs, seed)
         for k, field_, meas in (("p50_ms", "p50_ms", "measured_p50_ms"), ("p99_ms", "p99_ms", "measured_p99_ms"),
                                 ("qps", "achieved_qps", "measured_qps")):
@@ -595,11 +624,12 @@ def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, Comp
 
 
 def at_speed_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, cal: Calibration,
-                    policy: ServePolicy, variant: str, cores: float, sha: str | None, f: float) -> SimSystem:
+                    policy: ServePolicy, variant: str, cores: float, sha: str | None, f: float,
+                    bind: bool = False) -> SimSystem:
     """``variant``'s simulated system on a machine that computes ``f`` times slower than the profile says: every
     component's latencies and its program's cold extras times ``f``; the frontend and the hops as calibrated."""
     system = build_system(plan, profiles, graph, cal, policy, variant=variant, cores_per_node=cores,
-                          switchboard_sha256=sha, scale=dict.fromkeys(graph.names, f))
+                          switchboard_sha256=sha, scale=dict.fromkeys(graph.names, f), bind_cores=bind)
     return dataclasses.replace(system, ranks=tuple(
         k if k.component < 0 else dataclasses.replace(k, cold=Curve(k.cold.gaps_ms, tuple(v * f for v in k.cold.values_ms)))
         for k in system.ranks))

@@ -143,15 +143,20 @@ def test_simulated_ways_go_beside_the_measured_ones_per_edge(tmp_path: Path) -> 
     # requests counts 3 times; what is left of the way past its transfer, busy and hop is its wait for a core
     sim = bh.simulated_ways([(0, 1, 0.0, 0.0002, 1, 0.0, 0.0, 0.0002), (0, 1, 1.0, 1.0004, 3, 1.0, 0.0001, 0.0001),
                              (1, 2, 0.0, 0.0001, 1, 0.00001, 0.0, 0.0)])
-    assert sim == {(0, 1): pytest.approx({"way": 0.4, "busy": 0.1, "hop": 0.1, "core": 0.2}),
-                   (1, 2): pytest.approx({"way": 0.1, "busy": 0.0, "hop": 0.0, "core": 0.09})}
+    assert sim == {(0, 1): pytest.approx({"way": 0.4, "busy": 0.1, "hop": 0.1, "core": 0.2, "way_p90": 0.4}),
+                   (1, 2): pytest.approx({"way": 0.1, "busy": 0.0, "hop": 0.0, "core": 0.09, "way_p90": 0.1})}
+    tail = bh.simulated_ways([(0, 1, 0.0, 0.0001 * (k + 1), 1, 0.0, 0.0, 0.0) for k in range(10)])
+    assert tail[(0, 1)]["way"] == pytest.approx(0.55) and tail[(0, 1)]["way_p90"] == pytest.approx(0.91)
     rows = {(r["src"], r["dst"]): r for r in bh.edge_rows(hops, labels, None, sim)}
     assert rows[(0, 1)]["way_p50_ms"] == pytest.approx(0.3)
     assert rows[(0, 1)]["simulated_way_p50_ms"] == pytest.approx(0.4)
     assert rows[(0, 1)]["simulated_core_p50_ms"] == pytest.approx(0.2)
+    assert rows[(0, 1)]["simulated_way_p90_ms"] == pytest.approx(0.4)
+    assert rows[(0, 1)]["way_p90_ms"] >= rows[(0, 1)]["way_p50_ms"]
     assert math.isnan(rows[(2, 0)]["simulated_way_p50_ms"])  # an edge the simulation never used
+    assert math.isnan(rows[(2, 0)]["simulated_way_p90_ms"])
     table = bh._table(list(rows.values()), False)
-    assert "sim way" in table and "1.33x" in table and "s.core" in table
+    assert "sim way" in table and "1.33x" in table and "s.core" in table and "sim p90" in table
 
 
 def test_simulate_needs_a_level_a_calibration_and_the_benchs_plan(tmp_path: Path,

@@ -329,3 +329,22 @@ def test_simulate_says_how_far_apart_the_calibration_and_the_bench_were(tmp_path
     assert calibration_age_min(Calibration.defaults(), rec) is None
     assert calibration_age_min(dataclasses.replace(cal, created_utc="yesterday"), rec) is None
     assert calibration_age_min(cal, tmp_path / "none.json") is None
+
+
+def test_the_simulation_binds_ranks_as_the_launcher_does_or_as_simulate_bind_says() -> None:
+    """``simulate.bind``: null reads ``-bind-to core`` (MPICH) or ``--bind-to core`` (Open MPI) in the launcher's
+    mpiexec arguments; ``core`` and ``none`` override it; anything else is refused. Only CPU plans are bound."""
+    from hpcsplit.launch.simulate import SimulateSettings
+
+    auto = SimulateSettings.from_config({})
+    for args, want in (([], False), (["-bind-to", "core"], True), (["--bind-to", "core"], True),
+                       (["--bind-to=core"], True), (["-bind-to", "socket"], False), (["core", "-bind-to"], False),
+                       ("-bind-to core", False)):
+        assert auto.binds_cores({"launcher": {"mpiexec_args": args}}) is want, args
+    bound = {"launcher": {"mpiexec_args": ["-bind-to", "core"]}}
+    assert SimulateSettings.from_config({"simulate": {"bind": "none"}}).binds_cores(bound) is False
+    assert SimulateSettings.from_config({"simulate": {"bind": "core"}}).binds_cores({}) is True
+    with pytest.raises(ConfigError, match="simulate.bind = 'cores'"):
+        SimulateSettings.from_config({"simulate": {"bind": "cores"}})
+    with pytest.raises(ConfigError, match="simulate.bind = True"):
+        SimulateSettings.from_config({"simulate": {"bind": True}})

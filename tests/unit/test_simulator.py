@@ -18,6 +18,7 @@ from hpcsplit.core.policy import ReplicaRouter, backoff_wakes_ms
 from hpcsplit.core.profile_format import Profile
 from hpcsplit.core.sim_model import SimGraph, build_system, grouped, latency_table
 from hpcsplit.core.simulator import (
+    BALANCE_TICK_S,
     STATUS_OK,
     STATUS_TIMEOUT,
     ServePolicy,
@@ -597,3 +598,90 @@ def test_a_hops_spread_is_capped_so_one_outlier_p90_cannot_blow_up_every_hop() -
     # the same draws: a p90 of 100x the p50 is read as 4x, so the two runs are the same run
     assert np.allclose(lat(wild), lat(capped))
     assert np.quantile(lat(capped), 0.99) < 2 * 0.5 * math.exp(2.33 * HOP_SIGMA_MAX) + 1.0
+
+
+def test_wake_ups_stacked_on_the_ringers_core_share_it_until_the_tick_moves_one() -> None:
+    """[Note: wake-up placement]: the frontend rings both branches of a split on a 2-core node. Where every wake-up
+    runs on the ringer's core (``wake_on_ringer_core`` 1), the two 10 ms branches share that core, though the other
+    is idle, until the scheduler's next tick (4 ms) moves one to the idle core: the answer comes 2-4 ms late (each
+    branch had half the core until then). Not measured (None), or 0, each branch takes a core: 10 ms. On one core
+    the share changes nothing."""
+    g, prof = _branches(10.0, 10.0, 0.0)
+    plan = _toy_plan(["a", "b", "h"])
+    quiet = ServePolicy(spin_us=0.0)
+
+    def ms(share: float | None, cores: float, arr: np.ndarray | None = None, seed: int = 0) -> np.ndarray:
+        s = build_system(plan, prof.components, g, free(wake_on_ringer_core=share), quiet, cores_per_node=cores)
+        r = simulate(s, np.zeros(1) if arr is None else arr, seed=seed)
+        assert np.all(r.ok)
+        return (r.done_s - r.arrival_s) * 1e3
+
+    tick = BALANCE_TICK_S * 1e3
+    assert ms(None, 2) == pytest.approx([10.0]) and ms(0.0, 2) == pytest.approx([10.0])
+    assert 10.0 + tick / 2 - 0.01 <= ms(1.0, 2)[0] <= 10.0 + tick
+    assert ms(1.0, 1) == pytest.approx(ms(None, 1))
+    # half the wake-ups stacked: over many requests (far apart) the branches share a core in about half of them (the
+    # second branch's wake-up stacked behind the first, which ran on the ringer's core, placed there or by choice)
+    lat = ms(0.5, 2, np.arange(200) * 0.1, seed=1)
+    stacked = float(np.mean(lat > 10.0 + 0.01))
+    assert np.all((np.abs(lat - 10.0) < 0.01) | ((lat >= 10.0 + tick / 2 - 0.01) & (lat <= 10.0 + tick)))
+    assert 0.3 < stacked < 0.6
+
+
+def test_a_core_falling_idle_takes_a_rank_stacked_on_another() -> None:
+    """[Note: wake-up placement]: three 10 ms replicas rung at once by the frontend on a 2-core node, every wake-up
+    on the frontend's core. Until the tick (4 ms) they share that core while the other idles; the tick moves one to
+    the idle core, and from then on a core that falls idle takes a rank stacked on the other at once, so the 26 ms
+    of work left end near 4 + 13 ms (at most half a slice later). Were the idle core to wait for the next tick,
+    the last answer would come at 19 ms."""
+    s = chain([10.0], free(wake_on_ringer_core=1.0), replicas=3, cores=(2.0,), policy=ServePolicy(spin_us=0.0))
+    r = simulate(s, np.array([0.0, 0.0, 0.0]))
+    lat = sorted(((r.done_s - r.arrival_s) * 1e3).tolist())
+    assert np.all(r.ok)
+    tick = BALANCE_TICK_S * 1e3
+    assert tick + (30.0 - tick) / 2 <= lat[-1] <= tick + (30.0 - tick) / 2 + sched_slice_s(2.0) * 1e3 / 2
+
+
+def test_a_wake_up_placed_on_a_spinning_ringers_core_preempts_it() -> None:
+    """[Note: wake-up placement]: on a 1-core node the frontend rings the replica and spins 5 ms, and so does the
+    replica after its 0.2 ms batch. A wake-up with a core of its choice waits for the spinner's slice to end (0.75 ms
+    on one core, [Note: run queues]), and the answer for the replica's: 1.5 ms. One placed on the ringer's core
+    preempts the spinner at once, as a woken task preempts one that ran long: the batch runs at once, and the answer
+    (the frontend waits on the core as a preempted task, not woken) comes at the replica's slice end, 0.75 ms."""
+    pol = ServePolicy(spin_us=5000.0)
+    base = chain([0.2], free(), cores=(1.0,), policy=pol)
+
+    def ms(share: float | None) -> float:
+        s = dataclasses.replace(base, calibration=free(wake_on_ringer_core=share))
+        r = simulate(s, np.array([0.0]))
+        return float((r.done_s - r.arrival_s)[0] * 1e3)
+
+    assert ms(None) == pytest.approx(2 * sched_slice_s(1.0) * 1e3)
+    assert ms(1.0) == pytest.approx(sched_slice_s(1.0) * 1e3)
+
+
+def test_ranks_bound_to_cores_wait_for_their_own_core_though_another_is_idle() -> None:
+    """``SimSystem.bind_cores`` (``mpiexec -bind-to core``): the frontend and three 10 ms replicas on a 2-core node
+    are bound in rank order to cores 0, 1, 0, 1. Three requests at once: replicas 1 and 3 share core 1 by slices
+    (done near 20 ms) while replica 2 has core 0 (10 ms; the frontend sleeps). Placed by the kernel, the three batches
+    share both cores and end at 14.5-15.5 ms. A bound rank never stacks on its ringer's core."""
+    quiet = ServePolicy(spin_us=0.0)
+    s = chain([10.0], free(), replicas=3, cores=(2.0,), policy=quiet)
+
+    def ms(system: SimSystem) -> list[float]:
+        r = simulate(system, np.array([0.0, 0.0, 0.0]))
+        assert np.all(r.ok)
+        return sorted(((r.done_s - r.arrival_s) * 1e3).tolist())
+
+    bound = ms(dataclasses.replace(s, bind_cores=True))
+    assert bound[0] == pytest.approx(10.0) and bound[2] == pytest.approx(20.0)
+    assert 20.0 - 2 * sched_slice_s(2.0) * 1e3 <= bound[1] < 20.0
+    assert ms(s) == pytest.approx([14.5, 14.5, 15.5])
+    stacked = dataclasses.replace(s, bind_cores=True, calibration=free(wake_on_ringer_core=1.0))
+    assert ms(stacked) == bound
+    g, prof = _branches(1.0, 1.0, 1.0)
+    cpu = _toy_plan(["a", "b", "h"])
+    assert build_system(cpu, prof.components, g, free(), quiet, cores_per_node=2, bind_cores=True).bind_cores
+    gpu = dataclasses.replace(cpu, device_kind="cuda", ranks=tuple(  # ranks with devices of their own: nothing to bind
+        r if r.role == "frontend" else dataclasses.replace(r, gpu=0, slice_gb=1.0) for r in cpu.ranks))
+    assert not build_system(gpu, prof.components, g, free(), quiet, bind_cores=True).bind_cores

@@ -226,8 +226,9 @@ def _devices(c: ClusterSpec) -> int:
 
 def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, graph: SimGraph,
            calibration: Calibration, policy: ServePolicy, switchboard_sha256: str | None = None,
-           log: Any = None) -> Choice:
-    """``[Note: choosing by prediction]``: the candidate split and plan to serve ``rate_rps`` within ``slo_ms``."""
+           log: Any = None, bind_cores: bool = False) -> Choice:
+    """``[Note: choosing by prediction]``: the candidate split and plan to serve ``rate_rps`` within ``slo_ms`` (its
+    ranks simulated bound to cores with ``bind_cores``: :func:`~hpcsplit.core.sim_model.binds_cores`)."""
     rate, slo = settings.rate_rps, settings.slo_ms
     if rate is None or not isinstance(slo, int | float):
         raise AllocationError(f"choosing by prediction needs allocate.rate_rps (found {rate!r}) and one end-to-end "
@@ -266,7 +267,7 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
                     continue
                 seen.add(shape)
                 fig = _simulated(plan, cand, profile, graph, calibration, policy, cl, switchboard_sha256, arr,
-                                 duration_s, slo)
+                                 duration_s, slo, bind_cores)
                 key = (-round(fig["goodput_rps"], 6), fig["p50_ms"], plan.world_size)
                 if top is None or key < top[0]:
                     top = (key, plan, {**fig, "component_slo_ms": slo * f})
@@ -314,13 +315,13 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
 
 def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, calibration: Calibration,
                policy: ServePolicy, cl: ClusterSpec, sha: str | None, arr: np.ndarray, duration_s: float,
-               slo: float) -> dict[str, float]:
+               slo: float, bind_cores: bool = False) -> dict[str, float]:
     """Medians over :data:`RUNS` simulations of ``plan`` at the schedule ``arr`` (``duration_s`` long): the share of
     requests done within ``slo`` and their rate over the schedule (the same requests: the same goodput)."""
     variant = "whole" if cand.groups == ((WHOLE,),) else "grouped"
     system = build_system(plan, profile.components, graph, calibration, policy, variant=variant,
                           groups=[list(g) for g in cand.groups if g != (WHOLE,)],
-                          cores_per_node=float(cl.cores_per_node), switchboard_sha256=sha)
+                          cores_per_node=float(cl.cores_per_node), switchboard_sha256=sha, bind_cores=bind_cores)
     within, good, p50, p99 = [], [], [], []
     for k in range(RUNS):
         r = simulate(system, arr, seed=k)

@@ -19,7 +19,7 @@ from hpcsplit.core.calibration import Calibration, calibration_for
 from hpcsplit.core.cluster import ClusterSpec
 from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.profile_format import Profile, read_profile
-from hpcsplit.core.sim_model import SimGraph
+from hpcsplit.core.sim_model import SimGraph, binds_cores
 from hpcsplit.core.simulator import ServePolicy
 from hpcsplit.errors import AllocationError
 from hpcsplit.switchboard.layout import LAYOUT_FILE, load_layout
@@ -96,7 +96,7 @@ def _choose(cfg: dict[str, Any], settings: AllocateSettings, cluster: ClusterSpe
     log.info("choosing the split by prediction at %g req/s within %g ms; %s", settings.rate_rps, settings.slo_ms,
              cal.describe())
     choice = choose(profiles[0], cluster, settings, SimGraph.from_layout(layout), cal, ServePolicy.from_config(cfg),
-                    sha, log=lambda m: log.info("%s", m))
+                    sha, log=lambda m: log.info("%s", m), bind_cores=binds_cores(cfg))
     plan_path = choice.plan.save(paths.own_plan)
     png = plot_plan(choice.plan, paths.plan_png)
     text = choice.table()

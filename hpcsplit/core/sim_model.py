@@ -18,6 +18,7 @@ the profile's own (lognormal, from the cell's p90 / p50).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ from hpcsplit.core.grouping import group_name, merge_groups
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import ComponentProfile
 from hpcsplit.core.simulator import ServePolicy, SimComponent, SimRank, SimSystem
-from hpcsplit.errors import PlanError
+from hpcsplit.errors import ConfigError, PlanError
 
-__all__ = ["WHOLE", "SimGraph", "build_system", "grouped", "latency_table"]
+__all__ = ["WHOLE", "SimGraph", "binds_cores", "build_system", "grouped", "latency_table"]
 
 WHOLE = "whole"  # as runtime.routing.WHOLE
 INPUT = "input"
@@ -127,6 +128,31 @@ def latency_table(cp: ComponentProfile, want: float, max_batch: int) -> tuple[tu
 def _sum_curves(curves: Sequence[Curve]) -> Curve:
     gaps = sorted({g for c in curves for g in c.gaps_ms})
     return Curve(tuple(gaps), tuple(sum(c.at(g) for c in curves) for g in gaps))
+
+
+def binds_cores(cfg: Mapping[str, Any]) -> bool:
+    """Whether a CPU plan's ranks are simulated bound to cores (``[Note: wake-up placement]`` in
+    :mod:`hpcsplit.core.simulator`): ``simulate.bind`` (``core`` or ``none``), else (null) whether
+    ``launcher.mpiexec_args`` binds them with ``-bind-to core`` (MPICH) or ``--bind-to core`` (Open MPI). Other
+    bindings (``srun --cpu-bind``, Open MPI's own default for two processes or fewer) are not read from anywhere:
+    ``simulate.bind=core`` says them.
+
+    >>> binds_cores({"launcher": {"mpiexec_args": ["-bind-to", "core"]}}), binds_cores({})
+    (True, False)
+    >>> binds_cores({"simulate": {"bind": "none"}, "launcher": {"mpiexec_args": ["--bind-to=core"]}})
+    False
+    """
+    sim = cfg.get("simulate")
+    bind = sim.get("bind") if isinstance(sim, Mapping) else None
+    if bind is not None:
+        if isinstance(bind, bool) or bind not in ("core", "none"):
+            raise ConfigError(f"simulate.bind = {bind!r}: needs one of core, none, or null")
+        return bool(bind == "core")
+    launcher = cfg.get("launcher")
+    args = launcher.get("mpiexec_args") if isinstance(launcher, Mapping) else None
+    args = [str(a) for a in args] if isinstance(args, list | tuple) else []
+    return any(a in ("-bind-to", "--bind-to") and b == "core" for a, b in itertools.pairwise(args)) or any(
+        a in ("-bind-to=core", "--bind-to=core") for a in args)
 
 
 def build_system(plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph, calibration: Calibration,

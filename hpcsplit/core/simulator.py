@@ -61,8 +61,9 @@ else the first free.  Two things tie a rank to one core, and it then waits for t
   VM a rank rung by a rank of its node wakes on the ringer's core 95-100 % of the time.  The calibration measures
   that share (``wake_on_ringer_core``).  A sleeping rank rung from its node is placed, with that probability, on the
   core the ringer holds (or last held); when its hop delay has passed it waits for that core.  A spinning holder is
-  preempted at once (a task that ran long yields to a woken one); a working one keeps the core until it sleeps or
-  its slice ends, and a rank that lost its core at a slice's end waits for the same core.  As the kernel balances
+  preempted at once (a task that ran long yields to a woken one; it then waits for that core again); a working one
+  keeps the core until it sleeps or its slice ends, and then waits for any core (tied to its core, CLIP's split was
+  predicted 14-30 % lower near saturation than with placement off, the toy no better).  As the kernel balances
   its run queues, a core falling idle with no rank waiting for it takes the first rank waiting for another core
   (newly idle balancing), and a core already idle does so at the next scheduler tick (``BALANCE_TICK_S``, 4 ms at
   ``CONFIG_HZ=250``).  Not measured, or 0: no placement, the run queue as before.  So a split's branches rung by one
@@ -70,13 +71,15 @@ else the first free.  Two things tie a rank to one core, and it then waits for t
   until their work overlaps;
 - **bound ranks** (``SimSystem.bind_cores``, ``simulate.bind`` or ``-bind-to core`` in ``launcher.mpiexec_args``):
   each rank runs only on core ``i % cores`` of its node, ``i`` its place among the node's ranks in rank order (as
-  MPICH's ``-bind-to core`` deals them out); a bound rank never stacks and is never moved.
+  MPICH's ``-bind-to core`` deals them out); a bound rank never stacks and is never moved, and its turn preempts a
+  rank spinning on its core as a placed wake-up does.
 Against a toy bench of stop 49 with its own calibration (95 % stacked; docs/simulate.md, "Wake-up placement"), the
-p50s from 256 to 6,000 req/s went from -13..+15 % to -9..+8 % (whole at 6,000 req/s +15 to +8 %, split at 256 -12
-to -9 %, at 6,000 -13 to -8 %) and the p99s from 28-40 % low to 20-36 % low; without the two balancings the p99s
-were closer (-28..+21 %) but the p50s from 2,048 req/s up went 10-50 % high.  The split's saturated throughput is
-predicted 17 % high (20 % without placement).  A ringer preempted between the sends of one batch (7-14 % of the
-multi-destination sends in a traced run, some 400 us each) is not modelled.
+p50s from 256 to 6,000 req/s went from -13..+15 % to -10..+8 % (whole at 6,000 req/s +15 to +8 %, split at 256 -12
+to -9 %, at 6,000 -13 to -10 %) and the p99s from 28-40 % low to 20-35 % low; without the newly idle core's
+balancing the p50s at 2,048-6,000 req/s were 15-21 % high.  The split's saturated throughput is predicted 18 % high
+(20 % without placement).  On a CLIP bench the model moves the figures by 2 points or less but one (8 %).  A ringer
+preempted between the sends of one batch (7-14 % of the multi-destination sends in a traced run, some 400 us each)
+is not modelled.
 
 [Note: idle CPU]
 A rank idle between messages is not free: after its spin the runtime's backoff (``mailbox.Backoff``) sleeps
@@ -335,7 +338,6 @@ class _Sim:
                     self.pinned[r] = i % self.slots[k]
         self.p_stack = float(cal.wake_on_ringer_core or 0.0) if self.shared and not s.bind_cores else 0.0
         self.stack = self.p_stack > 0.0
-        self.keep_core = self.stack or (self.shared and s.bind_cores)  # a rank that lost its core waits for it
         self.place = _Noise([seed, 1], uniform=True)
         self.slice_s = sched_slice_s(max(self.cores)) if self.shared else math.inf
         self.idle_w = [0.0] * nodes  # the cores' share the backing-off ranks take (``[Note: idle CPU]``)
@@ -548,22 +550,25 @@ class _Sim:
             self.schedule(r, t, _OWN)
 
     def turn(self, r: int, t: float) -> None:
-        """A scheduled turn comes: on a shared node the rank needs a core first (``[Note: run queues]``)."""
+        """A scheduled turn comes: on a shared node the rank needs a core first (``[Note: run queues]``): any free
+        one, or its own (bound, or its wake-up placed on its ringer's core: ``[Note: wake-up placement]``), whose
+        holder it preempts if that one only spins."""
         if self.shared and not self.oncore[r]:
             node = self.node[r]
-            b, h = (self.pinned[r] if self.pinned[r] >= 0 else self.bound[r]), -1
-            if b >= 0:  # placed on the ringer's core ([Note: wake-up placement]): it waits for that core
-                h = self.holder[node][b]
-                if h >= 0 and self.state[h] == _SPINNING:  # a spinning holder is preempted
-                    self._leave_core(h, t, _Q_SPIN)
-                    h = -1
-            if (b >= 0 and h >= 0) or (b < 0 and self.used[node] >= self.slots[node]):
+            b = self.pinned[r] if self.pinned[r] >= 0 else self.bound[r]
+            h = self.holder[node][b] if b >= 0 else -1
+            if h >= 0 and self.state[h] == _SPINNING:  # the spinner waits for its core again, behind this rank
+                self._unhold(h, t)
+                self._hold(r, t, b)
+                self._enqueue(h, _Q_SPIN, t, b)
+            elif h >= 0 or (b < 0 and self.used[node] >= self.slots[node]):
                 self.state[r] = _QUEUED
                 if self.idle_on:  # woken: its backoff ends (a rank waiting for a core does not poll)
                     self.wake(r, t)
                 self._enqueue(r, _Q_TURN, t, b)
                 return
-            self._hold(r, t, b)
+            else:
+                self._hold(r, t, b)
         self._run_turn(r, t)
 
     def _run_turn(self, r: int, t: float) -> None:
@@ -625,12 +630,6 @@ class _Sim:
             return
         self._unhold(r, t)
         self._dispatch(self.node[r], t, self.core[r])
-
-    def _leave_core(self, r: int, t: float, what: int) -> None:
-        """Rank ``r`` (computing or spinning) loses its core to a waiting one and waits for a core again: for the
-        same core where a wake-up can stack on it (``[Note: wake-up placement]``), else for any."""
-        self._unhold(r, t)
-        self._enqueue(r, what, t, self.core[r] if self.keep_core else -1)
 
     def _enqueue(self, r: int, what: int, t: float, core: int = -1) -> None:
         node = self.node[r]
@@ -708,7 +707,8 @@ class _Sim:
                 and self.inflight < self.s.policy.max_inflight)
 
     def slice_end(self, r: int, t: float, version: int) -> None:
-        """Rank ``r`` has held its core a slice: if others wait it goes to the back of the queue."""
+        """Rank ``r`` has held its core a slice: if a rank waits for that core (or for any) it goes to the back of
+        the queue, and waits for any core (its own when bound: ``[Note: wake-up placement]``)."""
         node = self.node[r]
         if version != self.runv[r]:
             return
@@ -728,7 +728,8 @@ class _Sim:
                 self.armed[r] = self.runv[r]
                 self.push(max(t, self.turn_at[r]), _SLICE, r, self.runv[r])
             return
-        self._leave_core(r, t, what)
+        self._unhold(r, t)
+        self._enqueue(r, what, t, self.core[r] if self.pinned[r] >= 0 else -1)
         self._dispatch(node, t, self.core[r])
 
     def ring(self, r: int, t: float, cross: bool, src: int = -1) -> None:

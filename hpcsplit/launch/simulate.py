@@ -31,7 +31,6 @@ import calendar
 import csv
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import time
@@ -49,7 +48,7 @@ from hpcsplit.core.paths import RunPaths
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import ComponentProfile, read_profile
 from hpcsplit.core.settings import Checker, group_defaults
-from hpcsplit.core.sim_model import SimGraph, build_system
+from hpcsplit.core.sim_model import SimGraph, binds_cores, build_system
 from hpcsplit.core.simulator import ServePolicy, SimRun, SimSystem, simulate
 from hpcsplit.errors import ConfigError
 from hpcsplit.launch.pipeline import load_manifest
@@ -105,20 +104,9 @@ class SimulateSettings:
         return out
 
     def binds_cores(self, cfg: Mapping[str, Any]) -> bool:
-        """Whether the ranks run bound to cores (``[Note: wake-up placement]`` in :mod:`hpcsplit.core.simulator`): ``simulate.bind``, else as the
-        launcher's mpiexec arguments bind them (``-bind-to core`` / ``--bind-to core``, MPICH or Open MPI).
-
-        >>> s = SimulateSettings.from_config({})
-        >>> s.binds_cores({"launcher": {"mpiexec_args": ["-bind-to", "core"]}}), s.binds_cores({})
-        (True, False)
-        """
-        if self.bind is not None:
-            return self.bind == "core"
-        launcher = cfg.get("launcher")
-        args = launcher.get("mpiexec_args") if isinstance(launcher, Mapping) else None
-        args = [str(a) for a in args] if isinstance(args, list | tuple) else []
-        return any(a in ("-bind-to", "--bind-to") and b == "core" for a, b in itertools.pairwise(args)) or any(
-            a in ("-bind-to=core", "--bind-to=core") for a in args)
+        """Whether the ranks run bound to cores: :func:`hpcsplit.core.sim_model.binds_cores` with this
+        ``simulate.bind``."""
+        return binds_cores({**cfg, "simulate": {"bind": self.bind}})
 
 
 SETTINGS: dict[str, type | dict[str, type]] = {"simulate": SimulateSettings}

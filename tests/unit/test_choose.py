@@ -348,3 +348,22 @@ def test_the_simulation_binds_ranks_as_the_launcher_does_or_as_simulate_bind_say
         SimulateSettings.from_config({"simulate": {"bind": "cores"}})
     with pytest.raises(ConfigError, match="simulate.bind = True"):
         SimulateSettings.from_config({"simulate": {"bind": True}})
+
+
+def test_choosing_by_prediction_simulates_the_ranks_bound_as_the_launcher_binds_them() -> None:
+    """``allocate.rate_rps`` simulates its candidates as ``stage=simulate`` does (``core.sim_model.binds_cores``, one
+    code for both): with every wake-up stacked on its ringer's core, the split's towers share the frontend's core
+    until a slice parts them; bound to cores they cannot stack, and the split answers sooner."""
+    from hpcsplit.core.sim_model import binds_cores
+
+    assert binds_cores({"launcher": {"mpiexec_args": ["-bind-to", "core"]}})
+    assert not binds_cores({"launcher": {"mpiexec_args": ["-bind-to", "core"]}, "simulate": {"bind": "none"}})
+    with pytest.raises(ConfigError, match="simulate.bind = 'socket'"):
+        binds_cores({"simulate": {"bind": "socket"}})
+    prof = _profile({"vision": 120.0, "text": 40.0, "head": 0.2})
+    cal = dataclasses.replace(_cal(0.3), wake_on_ringer_core=1.0)
+    p50 = {}
+    for bind in (False, True):
+        c = choose(prof, CPU4, _settings(2, 150.0), _two_towers(), cal, ServePolicy(), bind_cores=bind)
+        p50[bind] = {r["candidate"]: r["p50_ms"] for r in c.rows}
+    assert p50[True]["split"] < p50[False]["split"], p50

@@ -93,10 +93,13 @@ def _choose(cfg: dict[str, Any], settings: AllocateSettings, cluster: ClusterSpe
     if profiles[0].meta.switchboard_sha256 and profiles[0].meta.switchboard_sha256 != sha:
         raise AllocationError(f"the profile was measured on switchboard {profiles[0].meta.switchboard_sha256[:12]} "
                               f"but {paths.switchboard} is {sha[:12]}; pass the matching switchboard=PATH")
-    log.info("choosing the split by prediction at %g req/s within %g ms; %s", settings.rate_rps, settings.slo_ms,
-             cal.describe())
+    bind = binds_cores(cfg)
+    cores = ("" if cluster.gpus_per_node else "; ranks simulated bound to cores (simulate.bind, launcher.mpiexec_args)"
+             if bind else "; ranks simulated as the kernel places them (simulate.bind=core to bind them)")
+    log.info("choosing the split by prediction at %g req/s within %g ms; %s%s", settings.rate_rps, settings.slo_ms,
+             cal.describe(), cores)
     choice = choose(profiles[0], cluster, settings, SimGraph.from_layout(layout), cal, ServePolicy.from_config(cfg),
-                    sha, log=lambda m: log.info("%s", m), bind_cores=binds_cores(cfg))
+                    sha, log=lambda m: log.info("%s", m), bind_cores=bind)
     plan_path = choice.plan.save(paths.own_plan)
     png = plot_plan(choice.plan, paths.plan_png)
     text = choice.table()

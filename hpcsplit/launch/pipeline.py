@@ -17,8 +17,8 @@ its output, everything after it.  Inputs per stage:
   resumed by the profiler itself);
 * analyze: profile hash; output: the analysis folder's table;
 * allocate: profile hash, ``allocate``, the cluster without its ``slurm`` block, the calibration file's sha256
-  (with ``allocate.rate_rps`` also ``runtime`` and the switchboard's hash: the choice simulates them); output:
-  plan hash;
+  (with ``allocate.rate_rps`` also ``runtime``, the switchboard's hash and whether the ranks are bound to cores,
+  ``simulate.bind`` or ``launcher.mpiexec_args``: the choice simulates them); output: plan hash;
 * bench: plan hash, switchboard hash, ``bench``, ``runtime``, launcher and cluster names.
 
 File names come from :class:`~hpcsplit.core.paths.RunPaths`.  Continuing a run folder: ``resume=RUN_DIR`` (rewritten to ``hydra.run.dir=RUN_DIR`` by
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcsplit.core.paths import RunPaths
+from hpcsplit.core.sim_model import binds_cores
 from hpcsplit.errors import ConfigError, HpcsplitError, LaunchError, ProfileError
 from hpcsplit.launch.stages import PIPELINE
 from hpcsplit.launch.summary import plots_of, write_summary
@@ -110,7 +111,7 @@ def _inputs(stage: str, cfg: dict[str, Any], out_sha: dict[str, str | None], p: 
         out = {"profile": out_sha["profile"], "allocate": cfg.get("allocate"), "cluster": cluster,
                "calibration": _sha_file(p.paths.calibration)}
         if (cfg.get("allocate") or {}).get("rate_rps") is not None:  # it simulates the runtime's policy, dataflow
-            out.update(runtime=cfg.get("runtime"), switchboard=out_sha["export"])
+            out.update(runtime=cfg.get("runtime"), switchboard=out_sha["export"], bind_cores=binds_cores(cfg))
         return out
     return {
         "plan": out_sha["allocate"],

@@ -128,6 +128,21 @@ def test_choosing_by_prediction_reruns_when_the_simulated_policy_changes(tmp_pat
     assert st.calls == ["bench"]
 
 
+def test_choosing_by_prediction_reruns_when_the_ranks_binding_changes(tmp_path: Path) -> None:
+    """The choice simulates the ranks bound to cores or placed by the kernel (``core.sim_model.binds_cores``):
+    ``simulate.bind`` or ``-bind-to core`` among the launcher's arguments changes it; other arguments do not."""
+    _run(tmp_path, FakeStages(), allocate__rate_rps=4.0)
+    st = FakeStages()
+    _run(tmp_path, st, allocate__rate_rps=4.0, simulate={"bind": "core"})
+    assert st.calls == ["allocate"]  # (the same plan here: the bench's inputs are unchanged)
+    st = FakeStages()
+    _run(tmp_path, st, allocate__rate_rps=4.0, launcher={"name": "local", "mpiexec_args": ["-bind-to", "core"]})
+    assert st.calls == []  # bound either way: the same choice (the launcher's arguments do not reach the bench's key)
+    st = FakeStages()
+    _run(tmp_path, st, allocate__rate_rps=4.0, launcher={"name": "local", "mpiexec_args": ["-v"]})
+    assert st.calls == ["allocate"]
+
+
 def test_changed_outputs_on_disk_rerun_the_stage(tmp_path: Path) -> None:
     _run(tmp_path, FakeStages())
     (tmp_path / "plan.json").write_text("edited by hand")

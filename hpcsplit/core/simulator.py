@@ -77,7 +77,7 @@ Against a toy bench of stop 49 with its own calibration (95 % stacked; docs/simu
 p50s from 256 to 6,000 req/s went from -13..+15 % to -10..+8 % (whole at 6,000 req/s +15 to +8 %, split at 256 -12
 to -9 %, at 6,000 -13 to -10 %) and the p99s from 28-40 % low to 20-35 % low; without the newly idle core's
 balancing the p50s at 2,048-6,000 req/s were 15-21 % high.  The split's saturated throughput is predicted 18 % high
-(20 % without placement).  On a CLIP bench the model moves the figures by 2 points or less but one (8 %).  A ringer
+(20 % without placement).  On a CLIP bench the model moves the figures by 3 points or less but one (8).  A ringer
 preempted between the sends of one batch (7-14 % of the multi-destination sends in a traced run, some 400 us each)
 is not modelled.
 

@@ -150,6 +150,11 @@ class RunPaths:
         return self.bench_dir / "levels.csv"
 
     @property
+    def bench_rank_cpu(self) -> Path:
+        """The CPU of each rank on the frontend's node per finished level (appended as each level ends)."""
+        return self.bench_dir / "rank_cpu.csv"
+
+    @property
     def slurm_dir(self) -> Path:
         """submitit's folder of job scripts and logs."""
         return self.run_dir / "slurm"

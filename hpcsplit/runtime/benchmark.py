@@ -31,7 +31,7 @@ from hpcsplit.runtime.frontend import Frontend, request_getter
 from hpcsplit.runtime.heap import settle_heap
 from hpcsplit.runtime.loadgen import LevelSummary, arrival_times, format_table, improvement_rows, summarize
 from hpcsplit.runtime.routing import critical_path_ms, graph_from_switchboard
-from hpcsplit.runtime.threads import cpu_seconds_of
+from hpcsplit.runtime.threads import cpu_seconds_each
 
 __all__ = ["critical_path_floor_ms", "finish", "floor_now_ms", "in_run_batch1_ms", "node_pids", "run_levels",
            "start_levels"]
@@ -60,6 +60,7 @@ def start_levels(ctx: RankContext) -> None:
     (what ``stage=simulate`` needs to simulate the same levels: the plan's hash, the schedule, the policy)."""
     ctx.paths.bench_levels.parent.mkdir(parents=True, exist_ok=True)
     ctx.paths.bench_levels.write_text("")
+    ctx.paths.bench_rank_cpu.write_text("")
     b, rt = ctx.bench, ctx.runtime
     record = {"plan_sha256": hashlib.sha256(ctx.paths.plan.read_bytes()).hexdigest(), "qps": list(b.qps),
               "duration_s": b.duration_s, "min_requests": b.min_requests, "arrival": b.arrival, "seed": b.seed,
@@ -80,17 +81,20 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
     if b.warmup_s > 0:
         fe.run(arrival_times(b.qps[0], b.warmup_s, "constant"), get, None, timeout, rt.max_inflight)
     levels, raw, windows = [], [], []
-    pids = node_pids(ctx)
+    ranks, pids = node_ranks(ctx)
     for i, q in enumerate(b.qps):
         arr = level_arrivals(q, i, b.duration_s, b.min_requests, b.arrival, b.seed)
         settle_heap()  # the last level's leftovers: no full collection in this one ([Note: frozen heap])
-        w0, c0 = time.time(), cpu_seconds_of(pids)
+        w0, c0 = time.time(), cpu_seconds_each(pids)
         res = fe.run(arr, get, None, timeout, rt.max_inflight)
-        w1, c1 = time.time(), cpu_seconds_of(pids)
+        w1, c1 = time.time(), cpu_seconds_each(pids)
         windows.append((w0, w1))
         s = summarize(variant, q, res.arrival_s, res.done_s, res.ok, res.path_ms)
-        if c0 is not None and c1 is not None and w1 > w0:
-            s = replace(s, cpu_cores=(c1 - c0) / (w1 - w0))
+        each = [(r, (b1 - a) / (w1 - w0)) for r, a, b1 in zip(ranks, c0, c1, strict=True)
+                if a is not None and b1 is not None and w1 > w0]
+        if each:
+            s = replace(s, cpu_cores=sum(c for _, c in each))
+            _append_rank_cpu(ctx.paths.bench_rank_cpu, variant, q, [(r, _label(fe, r), c) for r, c in each])
         levels.append(s)
         _append_level(ctx.paths.bench_levels, s)
         raw.append({"qps": q, "request_ids": res.request_ids, "arrival_s": res.arrival_s,
@@ -100,14 +104,42 @@ def run_levels(ctx: RankContext, fe: Frontend, variant: str) -> dict[str, Any]:
              f"p50 {s.p50_ms:8.2f} ms, p90 {s.p90_ms:8.2f} ms, p99 {s.p99_ms:8.2f} ms ({s.n_requests} requests; "
              f"critical-path compute p50 {s.path_p50_ms:.2f} ms"
              + (f"; the {len(pids)} ranks on this node used {s.cpu_cores:.2f} cores)" if s.cpu_cores >= 0 else ")"))
+        if each:
+            _say(f"bench {variant:>5} qps {q:>7g}: cores used per rank: "
+                 + ", ".join(f"{r} {_label(fe, r)} {c:.2f}" for r, c in each))
     return {"levels": levels, "raw": raw, "windows": windows}
+
+
+def _label(fe: Frontend, rank: int) -> str:
+    return fe.df.rank_component.get(rank) or ("frontend" if rank == 0 else "-")
 
 
 def node_pids(ctx: RankContext) -> list[int]:
     """The processes of this rank's node's ranks (as published at start), whose CPU a level reports."""
+    return node_ranks(ctx)[1]
+
+
+def node_ranks(ctx: RankContext) -> tuple[list[int], list[int]]:
+    """The ranks of this rank's node whose process is known (as published at start), and those processes."""
     me = ctx.hosts[ctx.rank] if ctx.rank < len(ctx.hosts) else None
-    pids = [job_process(r)[1] for r, h in enumerate(ctx.hosts) if h == me]
-    return [p for p in pids if p > 0]
+    got = [(r, job_process(r)[1]) for r, h in enumerate(ctx.hosts) if h == me]
+    got = [(r, p) for r, p in got if p > 0]
+    return [r for r, _ in got], [p for _, p in got]
+
+
+def _append_rank_cpu(path: Path, variant: str, qps: float, each: list[tuple[int, str, float]]) -> None:
+    """One finished level's CPU per rank of the frontend's node (``RunPaths.bench_rank_cpu``), on disk at once:
+    which rank a CPU node's load falls on (the frontend, a component), and what ``stage=simulate``'s per-rank CPU
+    is checked against."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as fh:
+        w = csv.writer(fh)
+        if new:
+            w.writerow(["variant", "offered_qps", "rank", "component", "cpu_cores"])
+        w.writerows([variant, float(qps), r, c, f"{cores:.4f}"] for r, c, cores in each)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def in_run_batch1_ms(batch1: dict[tuple[str, str], list[tuple[float, float]]], variant: str,

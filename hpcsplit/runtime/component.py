@@ -129,6 +129,7 @@ def serve_component(
     t_start, cpu_start = time.perf_counter(), cpu_seconds()
     db = mb._DOORBELL
     db_start = db.wakeups if db is not None else 0
+    rings_start = db.rings if db is not None else 0
     lost = set(faults.lost_ranks())
     stops_needed = set(df.upstream_ranks(name)) - lost
     stopping = False
@@ -249,7 +250,7 @@ def serve_component(
     stats.update(wall_s=wall, cpu_s=cpu_seconds() - cpu_start, pending_join=len(join),
                  batch1_samples=(b1_at, b1_ms))
     if db is not None:  # during this call (one doorbell serves every variant)
-        stats.update(doorbell_wakeups=db.wakeups - db_start)
+        stats.update(doorbell_wakeups=db.wakeups - db_start, doorbell_rings=db.rings - rings_start)
     return stats
 
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ThreadChoice", "choose_threads", "configure_rank", "cpu_seconds", "cpu_seconds_of", "usable_cores"]
+__all__ = ["ThreadChoice", "choose_threads", "configure_rank", "cpu_seconds", "cpu_seconds_each", "cpu_seconds_of", "usable_cores"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +131,26 @@ def cpu_seconds() -> float:
     return time.process_time()
 
 
+def cpu_seconds_each(pids: Iterable[int]) -> list[float | None]:
+    """CPU time (user + system, every thread) of each of these processes of this node from ``/proc/PID/stat``, in
+    seconds (10 ms steps); None for one that cannot be read (gone, or not Linux).
+
+    Examples
+    --------
+    >>> [c is None or c >= 0 for c in cpu_seconds_each([os.getpid()])]
+    [True]
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    out: list[float | None] = []
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()
+            out.append((int(f[11]) + int(f[12])) / tick)  # utime, stime (fields 14 and 15 of proc(5))
+        except (OSError, IndexError, ValueError):
+            out.append(None)
+    return out
+
+
 def cpu_seconds_of(pids: Iterable[int]) -> float | None:
     """CPU time (user + system, every thread) of processes of this node from ``/proc/PID/stat``, in seconds
     (10 ms steps); a process gone counts nothing; None where none can be read (not Linux).
@@ -140,12 +160,5 @@ def cpu_seconds_of(pids: Iterable[int]) -> float | None:
     >>> cpu_seconds_of([os.getpid()]) is None or cpu_seconds_of([os.getpid()]) >= 0
     True
     """
-    total, seen = 0, False
-    for pid in pids:
-        try:
-            f = Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(f[11]) + int(f[12])  # utime, stime (fields 14 and 15 of proc(5))
-        except (OSError, IndexError, ValueError):
-            continue
-        seen = True
-    return total / os.sysconf("SC_CLK_TCK") if seen else None
+    each = [c for c in cpu_seconds_each(pids) if c is not None]
+    return sum(each) if each else None

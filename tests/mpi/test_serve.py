@@ -251,6 +251,17 @@ def test_bench_mode_writes_results_and_table(tmp_path: Path, clip_sb: Path) -> N
         cores = [float(r["cpu_cores"]) for r in csv.DictReader(fh)]
     assert len(cores) == 4 and all(0 < c <= (os.cpu_count() or 1) + 0.5 for c in cores), cores
     assert f"the {n} ranks on this node used" in p.stderr
+    # ... and each rank's share of it, named by its component (which rank a CPU node's load falls on)
+    with open(bench / "rank_cpu.csv", newline="") as fh:
+        each = list(csv.DictReader(fh))
+    assert len(each) == 4 * n and {r["rank"] for r in each} == {str(i) for i in range(n)}
+    assert {r["component"] for r in each if r["rank"] == "0"} == {"frontend"}
+    assert {r["component"] for r in each if r["variant"] == "whole" and r["rank"] != "0"} == {"whole"}
+    assert {r["component"] for r in each if r["variant"] == "split" and r["rank"] != "0"} == set(order)
+    for (variant, qps), total in zip([(v, q) for v in ("whole", "split") for q in ("10.0", "40.0")], cores, strict=True):
+        mine = [float(r["cpu_cores"]) for r in each if r["variant"] == variant and r["offered_qps"] == qps]
+        assert len(mine) == n and all(c >= 0 for c in mine) and abs(sum(mine) - total) < 1e-3 * n, (variant, qps, mine)
+    assert p.stderr.count("cores used per rank: 0 frontend") == 4
     import h5py
 
     with h5py.File(bench / "requests.h5") as f:

@@ -212,6 +212,7 @@ class SimRun:
     events: int
     node_cpu_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per node: CPU used (shared CPU plans)
     path_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request: compute on its critical path
+    rank_cpu_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per rank: its part of its node's (shared CPU plans)
 
     @property
     def ok(self) -> np.ndarray:
@@ -341,6 +342,8 @@ class _Sim:
         self.place = _Noise([seed, 1], uniform=True)
         self.slice_s = sched_slice_s(max(self.cores)) if self.shared else math.inf
         self.idle_w = [0.0] * nodes  # the cores' share the backing-off ranks take (``[Note: idle CPU]``)
+        self.rank_cpu = [0.0] * n  # CPU seconds per rank (shared nodes): its part of its node's
+        self.rank_cpu_at: list[float] | None = None
         self.iw = [0.0] * n  # this rank's share of it now
         self.iv = [0] * n  # idle versions (work ends a rank's backoff)
         self.spin_s = s.policy.spin_us / 1e6
@@ -459,7 +462,16 @@ class _Sim:
         :meth:`_reschedule`."""
         dt = now - self.t_node[node]
         if dt > 0:
-            self.cpu[node] += dt * min(self.cores[node], self.demand[node])
+            demand = self.demand[node]
+            self.cpu[node] += dt * min(self.cores[node], demand)
+            if demand > 0:  # each rank's part: its threads computing, a core held, its backoff's share
+                f = dt * min(1.0, self.cores[node] / demand)
+                jobs, rc, iw, oncore = self.jobs[node], self.rank_cpu, self.iw, self.oncore
+                for r in self.node_ranks[node]:
+                    j = jobs.get(r)
+                    w = (j[1] if j is not None else 1.0 if oncore[r] else 0.0) + iw[r]
+                    if w:
+                        rc[r] += f * w
         if dt > 0 and self.jobs[node]:
             done = dt * self.rate[node]
             for j in self.jobs[node].values():
@@ -841,7 +853,8 @@ class _Sim:
         done = np.asarray(self.done)
         path = np.where(np.isfinite(done), np.asarray(self.path) * 1e3, np.nan)
         return SimRun(arr, np.asarray(self.admit), done, np.asarray(self.status, dtype=np.int8),
-                      np.asarray(self.busy), events, np.asarray(self.cpu_at or self.cpu), path)
+                      np.asarray(self.busy), events, np.asarray(self.cpu_at or self.cpu), path,
+                      np.asarray(self.rank_cpu_at or self.rank_cpu))
 
     # ------------------------------------------------------------------ the frontend
     def fe_turn(self, t: float) -> None:
@@ -922,6 +935,7 @@ class _Sim:
             for node in range(len(self.cpu) if self.shared else 0):
                 self._advance(node, t)
             self.cpu_at = list(self.cpu)
+            self.rank_cpu_at = list(self.rank_cpu)
         if self.inbox[0] or (self.adm < self.nxt and self.inflight < s.policy.max_inflight):
             self.state[0] = _SCHEDULED
             self.due[0] = t

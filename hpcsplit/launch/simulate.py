@@ -152,6 +152,8 @@ class Predicted:
     path_p50_ms: float = float("nan")  # compute on a request's critical path, p50 (the bench's path_p50_ms)
     alone_path_p50_ms: float = float("nan")  # ... of the requests alone in the system (every run's, pooled)
     alone_n: int = 0  # how many those were
+    rank_cpu_cores: tuple[float, ...] = ()  # per rank of the system (its ranks' order): cores over the level (CPU
+    #                                          plans; NaN: not on the frontend's node); not a column of predicted.csv
 
 
 def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequence[str], runs: int,
@@ -178,12 +180,13 @@ def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str
     q = schedule.qps[i]
     arr = _level_arrivals(schedule, kind, i)
     t0 = time.perf_counter()
-    ss, cpu, lone = [], [], []
+    ss, cpu, lone, each = [], [], [], []
     span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
     for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
         r = simulate(system, arr, seed=_run_seed(seed, k, i))
         ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok, r.path_ms))
         cpu.append(node_cpu_cores(system, r))
+        each.append(rank_cpu_cores(system, r))
         v = r.path_ms[alone(r.arrival_s, r.done_s) & r.ok]
         lone.append(v[np.isfinite(v) & (v > 0)])  # (as the measured side: measured_alone_paths)
     med = {f: float(np.nanmedian([getattr(s, f) for s in ss]))
@@ -191,6 +194,7 @@ def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str
     pooled = np.concatenate(lone)
     return Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
                      sim_s=time.perf_counter() - t0, cpu_cores=float(np.median(cpu)),
+                     rank_cpu_cores=tuple(float(v) for v in np.median(each, axis=0)) if each and each[0] else (),
                      alone_path_p50_ms=float(np.median(pooled)) if len(pooled) else math.nan, alone_n=len(pooled), **med)
 
 
@@ -203,6 +207,80 @@ def node_cpu_cores(system: SimSystem, run: SimRun) -> float:
     end = np.concatenate([run.arrival_s, run.done_s[np.isfinite(run.done_s)]])
     t = float(end.max()) if len(end) else 0.0
     return float(run.node_cpu_s[node]) / t if t > 0 else float("nan")
+
+
+def rank_cpu_cores(system: SimSystem, run: SimRun) -> list[float]:
+    """Each rank's part of :func:`node_cpu_cores` (the system's ranks' order), NaN for a rank on another node; ``[]``
+    where compute is on devices."""
+    node = system.ranks[0].node
+    total = node_cpu_cores(system, run)
+    if not math.isfinite(total) or len(run.rank_cpu_s) != len(system.ranks):
+        return []
+    end = np.concatenate([run.arrival_s, run.done_s[np.isfinite(run.done_s)]])
+    t = float(end.max())
+    return [float(c) / t if k.node == node else math.nan for k, c in zip(system.ranks, run.rank_cpu_s, strict=True)]
+
+
+def rank_label(system: SimSystem, i: int) -> str:
+    """The frontend, or the component rank ``i`` of ``system`` runs."""
+    c = system.ranks[i].component
+    return "frontend" if c < 0 else system.components[c].name
+
+
+def measured_rank_cpu(path: Path) -> dict[tuple[str, float, int], float]:
+    """A bench's ``rank_cpu.csv`` (``RunPaths.bench_rank_cpu``): cores per (variant, level, rank); ``{}`` (said) when
+    it is missing (a bench before it) or not as the bench writes it."""
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes")
+        out: dict[tuple[str, float, int], float] = {}
+        with open(path, newline="") as fh:
+            for row in csv.DictReader(fh):
+                variant, q, rank, cores = row["variant"], float(row["offered_qps"]), int(row["rank"]), float(row["cpu_cores"])
+                if variant not in VARIANTS:
+                    raise ValueError(f"variant {variant!r}")
+                _within(q, "offered_qps", 1e-9, 1e9)
+                _within(rank, "rank", 0, 1 << 24, whole=True)
+                _within(cores, "cpu_cores", 0.0, 1e6)
+                out[(variant, q, rank)] = cores
+        return out
+    except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError, csv.Error) as e:
+        print(f"{path}: not as the bench writes it ({type(e).__name__}: {e}); no CPU per rank compared", flush=True)
+        return {}
+
+
+def rank_cpu_rows(systems: Mapping[str, SimSystem], pred: Sequence[Predicted], arrival: str,
+                  measured: Mapping[tuple[str, float, int], float]) -> list[dict[str, Any]]:
+    """Per level of the bench's arrival process and rank of the frontend's node: the CPU the rank used, measured
+    (``measured``: :func:`measured_rank_cpu`) and predicted, in cores."""
+    rows = []
+    for p in pred:
+        system = systems.get(p.variant)
+        if p.arrival != arrival or system is None or not p.rank_cpu_cores:
+            continue
+        for i, k in enumerate(system.ranks):
+            v = p.rank_cpu_cores[i]
+            if not math.isfinite(v):
+                continue
+            m = next((c for (mv, mq, mr), c in measured.items()
+                      if mv == p.variant and mr == k.rank and math.isclose(mq, p.offered_qps, rel_tol=1e-6)), math.nan)
+            rows.append({"variant": p.variant, "offered_qps": p.offered_qps, "rank": k.rank,
+                         "component": rank_label(system, i), "measured_cpu_cores": m, "predicted_cpu_cores": v})
+    return rows
+
+
+def format_rank_cpu(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line per level: each rank's cores, measured / predicted (where the bench measured them)."""
+    lines = []
+    for key in dict.fromkeys((r["variant"], r["offered_qps"]) for r in rows):
+        mine = [r for r in rows if (r["variant"], r["offered_qps"]) == key]
+        if not any(math.isfinite(r["measured_cpu_cores"]) for r in mine):
+            continue
+        lines.append(f"{key[0]:<6} {key[1]:>8g} | " + ", ".join(
+            f"{r['rank']} {r['component']} {r['measured_cpu_cores']:.2f}/{r['predicted_cpu_cores']:.2f}" for r in mine))
+    return "\n".join(lines)
 
 
 def compare_rows(pred: Sequence[Predicted], measured: Sequence[Mapping[str, Any]], arrival: str,
@@ -525,7 +603,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     pred = predict(systems, sched, arrivals, s.runs, s.seed)
     out = paths.simulate_dir
     out.mkdir(parents=True, exist_ok=True)
-    _write_csv(out / "predicted.csv", [asdict(p) for p in pred])
+    _write_csv(out / "predicted.csv", [{k: v for k, v in asdict(p).items() if k != "rank_cpu_cores"} for p in pred])
     print(format_predicted(pred), flush=True)
     result: dict[str, Any] = {"calibration": cal.describe(), "calibration_source": cal.source,
                               "schedule": sched.source, "predicted": [asdict(p) for p in pred],
@@ -555,6 +633,13 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         table = format_compare(rows)
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
         result.update(compare=rows, compare_table=table)
+        ranks = rank_cpu_rows(systems, pred, sched.arrival, measured_rank_cpu(paths.bench_rank_cpu))
+        if ranks:
+            _write_csv(out / "rank_cpu.csv", ranks)
+            if text := format_rank_cpu(ranks):
+                print("CPU per rank of the frontend's node, cores measured / predicted (where a node's load falls; "
+                      f"simulate/rank_cpu.csv):\n{text}", flush=True)
+                result["rank_cpu_table"] = text
         age = calibration_age_min(cal, paths.bench_summary)
         if age is not None:
             result["calibration_age_min"] = age

@@ -375,6 +375,17 @@ def test_a_nodes_cpu_counts_computing_polling_and_backing_off_ranks_up_to_its_co
     assert one.node_cpu_s[0] == pytest.approx(done)  # demand was above one core the whole time: all of it
     gpu = simulate(chain([10.0, 5.0], free(), policy=quiet), np.array([0.0]))  # devices: not counted
     assert gpu.node_cpu_s[0] == 0.0
+    # SimRun.rank_cpu_s: each rank's part (what the bench's CPU per rank is set against), summing to the node's
+    assert r.rank_cpu_s == pytest.approx([0.0, 0.010, 0.005])
+    assert spin.rank_cpu_s == pytest.approx([0.002, 0.010 + 0.002, 0.005])
+    assert back.rank_cpu_s == pytest.approx([0.0075, 0.010 + 0.0025, 0.005])
+    for run in (r, spin, back, one):
+        assert run.rank_cpu_s.sum() == pytest.approx(run.node_cpu_s[0])
+    # on one core a batch still costs its compute, the backoffs share the rest: c0's batch runs at 2/3 speed beside the
+    # frontend's half core (15 ms, the frontend 5 ms of it), c1's at 1/2 beside two (10 ms, 2.5 ms each)
+    assert done == pytest.approx(0.025)
+    assert one.rank_cpu_s == pytest.approx([0.005 + 0.0025, 0.010 + 0.0025, 0.005])
+    assert gpu.rank_cpu_s.sum() == 0.0
 
 
 def test_each_wake_up_of_a_backoff_on_a_crowded_node_costs_its_evicted_extra() -> None:
@@ -691,3 +702,43 @@ def test_ranks_bound_to_cores_wait_for_their_own_core_though_another_is_idle() -
     gpu = dataclasses.replace(cpu, device_kind="cuda", ranks=tuple(  # ranks with devices of their own: nothing to bind
         r if r.role == "frontend" else dataclasses.replace(r, gpu=0, slice_gb=1.0) for r in cpu.ranks))
     assert not build_system(gpu, prof.components, g, free(), quiet, bind_cores=True).bind_cores
+
+
+def test_the_cpu_of_each_rank_is_set_beside_the_benchs_and_its_file_read_as_untrusted(tmp_path) -> None:
+    """``stage=simulate`` puts each rank's predicted CPU beside what the bench measured (``bench/rank_cpu.csv``):
+    which rank a CPU node's load falls on.  The bench's file is read as untrusted: anything not as the bench writes
+    it compares nothing, and says so."""
+    from hpcsplit.launch.simulate import (
+        Schedule,
+        format_rank_cpu,
+        measured_rank_cpu,
+        predict_level,
+        rank_cpu_rows,
+    )
+
+    quiet = ServePolicy(spin_us=0.0)
+    system = chain([10.0, 5.0], free(), cores=(4.0,), policy=quiet)
+    sched = Schedule((10.0,), 1.0, 10, "constant", 0, quiet, "config")
+    p = predict_level("split", system, sched, "constant", 0, 1)
+    # ten requests, each 10 + 5 ms of compute, over the 0.9 s of arrivals and the last one's 15 ms
+    assert p.rank_cpu_cores == pytest.approx([0.0, 0.1 / 0.915, 0.05 / 0.915], rel=1e-6)
+    assert sum(p.rank_cpu_cores) == pytest.approx(p.cpu_cores)
+    f = tmp_path / "rank_cpu.csv"
+    f.write_text("variant,offered_qps,rank,component,cpu_cores\n"
+                 "split,10.0,0,frontend,0.0200\nsplit,10.0,1,c0,0.1500\nsplit,10.0,2,c1,0.0500\nwhole,10.0,1,whole,0.3\n")
+    got = measured_rank_cpu(f)
+    assert got == {("split", 10.0, 0): 0.02, ("split", 10.0, 1): 0.15, ("split", 10.0, 2): 0.05, ("whole", 10.0, 1): 0.3}
+    rows = rank_cpu_rows({"split": system}, [p], "constant", got)
+    assert [(r["rank"], r["component"], r["measured_cpu_cores"]) for r in rows] == [
+        (0, "frontend", 0.02), (1, "c0", 0.15), (2, "c1", 0.05)]
+    assert format_rank_cpu(rows) == "split        10 | 0 frontend 0.02/0.00, 1 c0 0.15/0.11, 2 c1 0.05/0.05"
+    assert rank_cpu_rows({"split": system}, [p], "poisson", got) == []  # not the bench's arrivals
+    assert format_rank_cpu(rank_cpu_rows({"split": system}, [p], "constant", {})) == ""  # nothing measured
+    assert measured_rank_cpu(tmp_path / "none.csv") == {}  # a bench before the file
+    head = "variant,offered_qps,rank,component,cpu_cores\n"
+    for bad in ("zipf,10,0,frontend,0.1", "split,10,0,frontend,-1", "split,10,0,frontend,nan", "split,10,1.5,c0,0.1",
+                "split,inf,0,frontend,0.1", "split,10,x,c0,0.1", "split,10,0,frontend"):
+        f.write_text(head + bad + "\n")
+        assert measured_rank_cpu(f) == {}, bad
+    f.write_text("variant\n" + "x" * 100 + "\n")
+    assert measured_rank_cpu(f) == {}

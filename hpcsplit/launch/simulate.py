@@ -204,9 +204,14 @@ def node_cpu_cores(system: SimSystem, run: SimRun) -> float:
     node = system.ranks[0].node
     if not system.node_cores or node >= len(run.node_cpu_s):
         return float("nan")
-    end = np.concatenate([run.arrival_s, run.done_s[np.isfinite(run.done_s)]])
-    t = float(end.max()) if len(end) else 0.0
+    t = _level_end(run)
     return float(run.node_cpu_s[node]) / t if t > 0 else float("nan")
+
+
+def _level_end(run: SimRun) -> float:
+    """The level's last arrival or answer (seconds; 0 when it has none): the end of the window its CPU is read over."""
+    end = np.concatenate([run.arrival_s, run.done_s[np.isfinite(run.done_s)]])
+    return float(end.max()) if len(end) else 0.0
 
 
 def rank_cpu_cores(system: SimSystem, run: SimRun) -> list[float]:
@@ -216,8 +221,7 @@ def rank_cpu_cores(system: SimSystem, run: SimRun) -> list[float]:
     total = node_cpu_cores(system, run)
     if not math.isfinite(total) or len(run.rank_cpu_s) != len(system.ranks):
         return []
-    end = np.concatenate([run.arrival_s, run.done_s[np.isfinite(run.done_s)]])
-    t = float(end.max())
+    t = _level_end(run)
     return [float(c) / t if k.node == node else math.nan for k, c in zip(system.ranks, run.rank_cpu_s, strict=True)]
 
 

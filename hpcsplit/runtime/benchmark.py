@@ -41,18 +41,24 @@ def _say(msg: str) -> None:
     say(0, msg)
 
 
-def _append_level(path: Path, s: LevelSummary) -> None:
-    """One finished level as a CSV row of ``RunPaths.bench_levels``, on disk at once (flushed and synced)."""
-    row = s.to_dict()
+def _append_rows(path: Path, header: list[str], rows: list[list[Any]]) -> None:
+    """Append ``rows`` to the CSV file ``path`` (``header`` first when it is new or empty), on disk at once (flushed
+    and synced): a job stopped or killed keeps what it finished."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     with open(path, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(row))
+        w = csv.writer(fh)
         if new:
-            w.writeheader()
-        w.writerow(row)
+            w.writerow(header)
+        w.writerows(rows)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _append_level(path: Path, s: LevelSummary) -> None:
+    """One finished level as a CSV row of ``RunPaths.bench_levels``."""
+    row = s.to_dict()
+    _append_rows(path, list(row), [list(row.values())])
 
 
 def start_levels(ctx: RankContext) -> None:
@@ -128,18 +134,10 @@ def node_ranks(ctx: RankContext) -> tuple[list[int], list[int]]:
 
 
 def _append_rank_cpu(path: Path, variant: str, qps: float, each: list[tuple[int, str, float]]) -> None:
-    """One finished level's CPU per rank of the frontend's node (``RunPaths.bench_rank_cpu``), on disk at once:
-    which rank a CPU node's load falls on (the frontend, a component), and what ``stage=simulate``'s per-rank CPU
-    is checked against."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with open(path, "a", newline="") as fh:
-        w = csv.writer(fh)
-        if new:
-            w.writerow(["variant", "offered_qps", "rank", "component", "cpu_cores"])
-        w.writerows([variant, float(qps), r, c, f"{cores:.4f}"] for r, c, cores in each)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """One finished level's CPU per rank of the frontend's node (``RunPaths.bench_rank_cpu``): which rank a CPU node's
+    load falls on (the frontend, a component), and what ``stage=simulate``'s per-rank CPU is checked against."""
+    _append_rows(path, ["variant", "offered_qps", "rank", "component", "cpu_cores"],
+                 [[variant, float(qps), r, c, f"{cores:.4f}"] for r, c, cores in each])
 
 
 def in_run_batch1_ms(batch1: dict[tuple[str, str], list[tuple[float, float]]], variant: str,

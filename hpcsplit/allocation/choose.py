@@ -46,7 +46,8 @@ from hpcsplit.core.load import arrival_times
 from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import ComponentProfile, Profile
 from hpcsplit.core.sim_model import WHOLE, SimGraph, build_system
-from hpcsplit.core.simulator import ServePolicy, simulate
+from hpcsplit.core.sim_pool import simulate_many
+from hpcsplit.core.simulator import ServePolicy
 from hpcsplit.errors import AllocationError, HpcsplitError
 
 __all__ = ["Candidate", "Choice", "candidates", "choose", "frontend_s_per_request", "merged_profile"]
@@ -267,7 +268,7 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
                     continue
                 seen.add(shape)
                 fig = _simulated(plan, cand, profile, graph, calibration, policy, cl, switchboard_sha256, arr,
-                                 duration_s, slo, bind_cores)
+                                 duration_s, slo, bind_cores, settings.sim_workers)
                 key = (-round(fig["goodput_rps"], 6), fig["p50_ms"], plan.world_size)
                 if top is None or key < top[0]:
                     top = (key, plan, {**fig, "component_slo_ms": slo * f})
@@ -315,7 +316,7 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
 
 def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, calibration: Calibration,
                policy: ServePolicy, cl: ClusterSpec, sha: str | None, arr: np.ndarray, duration_s: float,
-               slo: float, bind_cores: bool = False) -> dict[str, float]:
+               slo: float, bind_cores: bool = False, workers: int | None = None) -> dict[str, float]:
     """Medians over :data:`RUNS` simulations of ``plan`` at the schedule ``arr`` (``duration_s`` long): the share of
     requests done within ``slo`` and their rate over the schedule (the same requests: the same goodput)."""
     variant = "whole" if cand.groups == ((WHOLE,),) else "grouped"
@@ -323,8 +324,7 @@ def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, c
                           groups=[list(g) for g in cand.groups if g != (WHOLE,)],
                           cores_per_node=float(cl.cores_per_node), switchboard_sha256=sha, bind_cores=bind_cores)
     within, good, p50, p99 = [], [], [], []
-    for k in range(RUNS):
-        r = simulate(system, arr, seed=k)
+    for r, _ in simulate_many([(system, arr, k) for k in range(RUNS)], workers, progress=None):
         okl = ((r.done_s - r.arrival_s) * 1e3)[r.ok]
         n_in = int((okl <= slo).sum())
         within.append(n_in / len(arr))

@@ -57,6 +57,7 @@ class AllocateSettings:
     max_cg_iters: int
     rate_rps: float | None = None  # a demanded rate: choose the split and plan by simulated goodput (choose.py)
     objective: str = "goodput"  # with rate_rps: "goodput" (the highest) or "devices" (the fewest meeting the SLO)
+    sim_workers: int | None = None  # with rate_rps: processes a candidate's simulations are spread over (None: auto)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> AllocateSettings:
@@ -131,6 +132,7 @@ def build_settings(values: Mapping[str, Any] | None) -> tuple[AllocateSettings, 
         max_cg_iters=c.integer("max_cg_iters", lo=0),
         rate_rps=c.number("rate_rps", lo=0, lo_open=True, none=True),
         objective=c.choice("objective", OBJECTIVES),
+        sim_workers=c.integer("sim_workers", lo=1, hi=1024, none=True),
     )
     if settings.rate_rps is not None and not isinstance(settings.slo_ms, float):
         c.problem(f"allocate.rate_rps = {settings.rate_rps:g} chooses the split by the share of requests within "

@@ -49,6 +49,7 @@ from hpcsplit.core.plan import Plan
 from hpcsplit.core.profile_format import ComponentProfile, read_profile
 from hpcsplit.core.settings import Checker, group_defaults
 from hpcsplit.core.sim_model import SimGraph, binds_cores, build_system
+from hpcsplit.core.sim_pool import SimTask, simulate_many
 from hpcsplit.core.simulator import ServePolicy, SimRun, SimSystem, simulate
 from hpcsplit.errors import ConfigError
 from hpcsplit.launch.pipeline import load_manifest
@@ -78,6 +79,7 @@ class SimulateSettings:
     runs: int
     seed: int
     bind: str | None  # "core", "none", or None: as launcher.mpiexec_args binds
+    workers: int | None = None  # processes the simulations are spread over (None: one per core, at most 8)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> SimulateSettings:
@@ -99,7 +101,7 @@ class SimulateSettings:
                 qps = tuple(float(x) for x in items)
         out = cls(qps=qps, arrivals=_names(c, "arrivals", ARRIVALS), variants=_names(c, "variants", VARIANTS),
                   runs=c.integer("runs", lo=1, hi=1000), seed=c.integer("seed"),
-                  bind=c.choice("bind", (None, "core", "none")))
+                  bind=c.choice("bind", (None, "core", "none")), workers=c.integer("workers", lo=1, hi=1024, none=True))
         c.done()
         return out
 
@@ -147,7 +149,7 @@ class Predicted:
     p50_ms: float
     p90_ms: float
     p99_ms: float
-    sim_s: float  # wall seconds the simulations of this level took
+    sim_s: float  # seconds the simulations of this level took (summed, in whichever processes ran them)
     cpu_cores: float = float("nan")  # CPU of the frontend's node over the level, in cores (CPU plans; NaN: GPUs)
     path_p50_ms: float = float("nan")  # compute on a request's critical path, p50 (the bench's path_p50_ms)
     alone_path_p50_ms: float = float("nan")  # ... of the requests alone in the system (every run's, pooled)
@@ -157,11 +159,12 @@ class Predicted:
 
 
 def predict(systems: Mapping[str, SimSystem], schedule: Schedule, arrivals: Sequence[str], runs: int,
-            seed: int = 0) -> list[Predicted]:
+            seed: int = 0, workers: int | None = None) -> list[Predicted]:
     """Simulate every variant x arrival process x level of ``schedule`` ``runs`` times (fewer for a level of many
-    requests: at least :data:`RUN_REQUESTS` requests in all); medians per level."""
-    return [predict_level(variant, system, schedule, kind, i, runs, seed)
-            for variant, system in systems.items() for kind in arrivals for i in range(len(schedule.qps))]
+    requests: at least :data:`RUN_REQUESTS` requests in all); medians per level.  The simulations are spread over
+    ``workers`` processes (``[Note: simulations in parallel]``): the same figures on any number."""
+    return predict_levels([(variant, system, kind, i) for variant, system in systems.items() for kind in arrivals
+                           for i in range(len(schedule.qps))], schedule, runs, seed, workers)
 
 
 def _level_arrivals(schedule: Schedule, kind: str, i: int) -> np.ndarray:
@@ -175,15 +178,33 @@ def _run_seed(seed: int, k: int, i: int) -> int:
 
 
 def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str, i: int, runs: int,
-                  seed: int = 0) -> Predicted:
+                  seed: int = 0, workers: int | None = None) -> Predicted:
     """Level ``i`` of ``schedule`` (its own arrivals and seeds, as :func:`predict` draws them)."""
-    q = schedule.qps[i]
-    arr = _level_arrivals(schedule, kind, i)
-    t0 = time.perf_counter()
+    return predict_levels([(variant, system, kind, i)], schedule, runs, seed, workers)[0]
+
+
+def predict_levels(items: Sequence[tuple[str, SimSystem, str, int]], schedule: Schedule, runs: int, seed: int = 0,
+                   workers: int | None = None) -> list[Predicted]:
+    """:func:`predict_level` of each ``(variant, system, arrival process, level)``, their simulations in one pool of
+    ``workers`` processes."""
+    tasks: list[SimTask] = []
+    spans = []
+    for _, system, kind, i in items:
+        arr = _level_arrivals(schedule, kind, i)
+        n = max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))
+        spans.append((len(tasks), n, arr))
+        tasks += [(system, arr, _run_seed(seed, k, i)) for k in range(n)]
+    done = simulate_many(tasks, workers)
+    return [_level_figures(variant, system, schedule.qps[i], kind, arr, done[a:a + n])
+            for (variant, system, kind, i), (a, n, arr) in zip(items, spans, strict=True)]
+
+
+def _level_figures(variant: str, system: SimSystem, q: float, kind: str, arr: np.ndarray,
+                   runs: Sequence[tuple[SimRun, float]]) -> Predicted:
+    """One level's figures: the medians over its simulated ``runs`` (each with the seconds it took)."""
     ss, cpu, lone, each = [], [], [], []
     span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
-    for k in range(max(1, min(runs, math.ceil(RUN_REQUESTS / max(1, len(arr)))))):
-        r = simulate(system, arr, seed=_run_seed(seed, k, i))
+    for r, _ in runs:
         ss.append(summarize(variant, q, r.arrival_s, r.done_s, r.ok, r.path_ms))
         cpu.append(node_cpu_cores(system, r))
         each.append(rank_cpu_cores(system, r))
@@ -193,7 +214,7 @@ def predict_level(variant: str, system: SimSystem, schedule: Schedule, kind: str
            for f in ("success_rate", "achieved_qps", "p50_ms", "p90_ms", "p99_ms", "path_p50_ms")}
     pooled = np.concatenate(lone)
     return Predicted(variant, kind, q, len(arr), (len(arr) - 1) / span if span > 0 else q,
-                     sim_s=time.perf_counter() - t0, cpu_cores=float(np.median(cpu)),
+                     sim_s=sum(dt for _, dt in runs), cpu_cores=float(np.median(cpu)),
                      rank_cpu_cores=tuple(float(v) for v in np.median(each, axis=0)) if each and each[0] else (),
                      alone_path_p50_ms=float(np.median(pooled)) if len(pooled) else math.nan, alone_n=len(pooled), **med)
 
@@ -604,7 +625,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     systems = systems_for(plan, profiles, graph, cal, sched.policy, s.variants,
                           float(cluster.cores_per_node), sha, bind=bind)
     arrivals = tuple(dict.fromkeys((sched.arrival, *s.arrivals)))
-    pred = predict(systems, sched, arrivals, s.runs, s.seed)
+    pred = predict(systems, sched, arrivals, s.runs, s.seed, s.workers)
     out = paths.simulate_dir
     out.mkdir(parents=True, exist_ok=True)
     _write_csv(out / "predicted.csv", [{k: v for k, v in asdict(p).items() if k != "rank_cpu_cores"} for p in pred])
@@ -618,7 +639,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         if scale:  # the same simulation with the profile moved to the machine's speed during the bench
             now = predict(systems_for(plan, profiles, graph, cal, sched.policy,
                                       s.variants, float(cluster.cores_per_node), sha, scale, bind),
-                          sched, (sched.arrival,), s.runs, s.seed)
+                          sched, (sched.arrival,), s.runs, s.seed, s.workers)
             by = {(p.variant, p.offered_qps): p for p in now}
             for r in rows:
                 p = by[(r["variant"], r["offered_qps"])]
@@ -632,7 +653,7 @@ def run_simulate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                   + "; predictions with the profile moved to that speed are the predicted_now_* columns of compare.csv",
                   flush=True)
         at_speed(rows, plan, profiles, graph, cal, sched, float(cluster.cores_per_node),
-                 sha, s.runs, s.seed, bind)
+                 sha, s.runs, s.seed, bind, s.workers)
         _write_csv(out / "compare.csv", [{**r, "target": verdict(r), "target_at_speed": verdict_at_speed(r)} for r in rows])
         table = format_compare(rows)
         print(f"predicted vs measured (the bench of this plan, {sched.arrival} arrivals):\n{table}", flush=True)
@@ -683,16 +704,20 @@ def calibration_age_note(age_min: float) -> str:
 
 def at_speed(rows: list[dict[str, Any]], plan: Plan, profiles: Mapping[str, ComponentProfile], graph: SimGraph,
              cal: Calibration, sched: Schedule, cores: float, sha: str | None, runs: int, seed: int,
-             bind: bool = False) -> None:
+             bind: bool = False, workers: int | None = None) -> None:
     """Add to each compared level the prediction with every component's compute (its profile and its cold extras)
     moved by the level's ``compute_ratio`` (``[Note: the level's speed]``): the ``at_speed_*`` columns, NaN where the
     ratio is unknown."""
-    for r in rows:
+    items, which = [], []
+    for n, r in enumerate(rows):
         f = float(r.get("compute_ratio", math.nan))
-        p = None
         if math.isfinite(f) and 0 < f < 1e6 and r["offered_qps"] in sched.qps:
             system = at_speed_system(plan, profiles, graph, cal, sched.policy, r["variant"], cores, sha, f, bind)
-            p = predict_level(r["variant"], system, sched, sched.arrival, sched.qps.index(r["offered_qps"]), runs, seed)
+            items.append((r["variant"], system, sched.arrival, sched.qps.index(r["offered_qps"])))
+            which.append(n)
+    got = dict(zip(which, predict_levels(items, sched, runs, seed, workers), strict=True))
+    for n, r in enumerate(rows):
+        p = got.get(n)
         for k, field_, meas in (("p50_ms", "p50_ms", "measured_p50_ms"), ("p99_ms", "p99_ms", "measured_p99_ms"),
                                 ("qps", "achieved_qps", "measured_qps")):
             v = getattr(p, field_) if p is not None else math.nan

@@ -742,3 +742,54 @@ def test_the_cpu_of_each_rank_is_set_beside_the_benchs_and_its_file_read_as_untr
         assert measured_rank_cpu(f) == {}, bad
     f.write_text("variant\n" + "x" * 100 + "\n")
     assert measured_rank_cpu(f) == {}
+
+
+def test_simulations_spread_over_processes_give_the_same_figures_in_order(monkeypatch) -> None:
+    """``[Note: simulations in parallel]``: sessions forked to worker processes come back in the tasks' order with
+    the figures of the same sessions run one after the other (shared cores, hop jitter, the default idle policy),
+    and a worker that dies ends the call with an error that names the task and the way out."""
+    from hpcsplit.core import sim_pool
+    from hpcsplit.core.sim_pool import auto_workers, simulate_many
+    from hpcsplit.errors import HpcsplitError
+    from hpcsplit.launch.simulate import Schedule, predict
+
+    cal = dataclasses.replace(Calibration.defaults(), corun_slowdown=(1.0, 1.2))
+    shared = chain([0.4, 0.2, 0.3], cal, batch=4, replicas=2, cores=(2.0,))
+    gpu = chain([0.4, 0.2], cal, batch=8, replicas=3)
+    tasks = [(s, arrival_times(q, 0.5, kind, seed), seed) for s in (shared, gpu) for q, kind in
+             ((200.0, "poisson"), (2000.0, "bursty")) for seed in (0, 1)]
+    one = simulate_many(tasks, workers=1)
+    many = simulate_many(tasks, workers=3)
+    assert len(many) == len(tasks)
+    for (a, _), (b, dt) in zip(one, many, strict=True):
+        assert dt > 0
+        for f in ("arrival_s", "admit_s", "done_s", "status", "busy_s", "node_cpu_s", "path_ms", "rank_cpu_s"):
+            assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
+        assert a.events == b.events
+    assert len({float(np.nansum(r.done_s)) for r, _ in one}) == len(tasks)  # each session its own (the order shows)
+    assert auto_workers(len(tasks), None) >= 1 and auto_workers(2, 64) == 2 and auto_workers(5, 1) == 1
+
+    sched = Schedule((100.0, 400.0), 0.3, 20, "poisson", 0, ServePolicy(), "config")
+    serial = predict({"split": shared}, sched, ("poisson", "bursty"), 2, workers=1)
+    spread = predict({"split": shared}, sched, ("poisson", "bursty"), 2, workers=2)
+    strip = [{**dataclasses.asdict(p), "sim_s": 0.0} for p in serial]
+    assert strip == [{**dataclasses.asdict(p), "sim_s": 0.0} for p in spread]
+
+    def dies(*_a: object, **_k: object) -> None:
+        import os
+        os._exit(3)
+
+    monkeypatch.setattr(sim_pool, "simulate", dies)  # (the forked workers inherit it)
+    with pytest.raises(HpcsplitError, match=r"worker process died .*simulate.workers"):
+        simulate_many(tasks[:2], workers=2)
+
+
+def test_the_workers_setting_is_checked() -> None:
+    from hpcsplit.errors import ConfigError
+    from hpcsplit.launch.simulate import SimulateSettings
+
+    assert SimulateSettings.from_config({}).workers is None
+    assert SimulateSettings.from_config({"simulate": {"workers": 3}}).workers == 3
+    for bad in (0, -1, 2.5, "many", True):
+        with pytest.raises(ConfigError, match="simulate.workers"):
+            SimulateSettings.from_config({"simulate": {"workers": bad}})

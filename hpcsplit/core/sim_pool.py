@@ -1,0 +1,102 @@
+"""Many simulations at once: independent sessions (levels, runs, candidates) spread over the machine's cores.
+
+[Note: simulations in parallel]
+Every :func:`~hpcsplit.core.simulator.simulate` call is a pure function of its system, arrivals and seed, so the
+sessions of a stage (``stage=simulate``: variants x arrival processes x levels x runs; ``stage=allocate`` with
+``allocate.rate_rps``: candidates x runs; ``python -m hpcsplit.bench simulate``'s 10 loads) are independent.
+:func:`simulate_many` runs them in ``workers`` processes forked from the caller (the systems and arrivals are
+inherited, not pickled; only the results come back) and returns them in the tasks' order, the same figures as
+one after the other in any order on any number of workers (``tests/unit/test_simulator.py`` checks it).
+
+- ``workers=None`` (``simulate.workers`` / ``allocate.sim_workers`` null): one per core this process may run on
+  (``os.sched_getaffinity``), at most :data:`AUTO_MAX` (a shared login node), at most one per task;
+- one worker, one task, or a platform without ``fork``: in this process, as before;
+- a worker that dies (killed, out of memory) ends the call with an ``HpcsplitError`` naming the task; the pool's
+  processes end with the call (the ``with`` block), never outliving it;
+- progress: a line every :data:`PROGRESS_EVERY_S` seconds while the tasks last longer than that.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+
+from hpcsplit.core.simulator import SimRun, SimSystem, simulate
+from hpcsplit.errors import HpcsplitError
+
+__all__ = ["AUTO_MAX", "SimTask", "auto_workers", "simulate_many"]
+
+AUTO_MAX = 8  # workers=None: at most this many processes
+PROGRESS_EVERY_S = 10.0
+
+SimTask = tuple[SimSystem, np.ndarray, int]  # (system, arrival offsets in seconds, jitter seed)
+
+_TASKS: Sequence[SimTask] = ()  # the call's tasks, inherited by the forked workers
+
+
+def auto_workers(n_tasks: int, workers: int | None = None) -> int:
+    """How many processes :func:`simulate_many` uses for ``n_tasks`` tasks (``workers`` None: automatic).
+
+    >>> auto_workers(3, 8), auto_workers(0), auto_workers(5, 1)
+    (3, 1, 1)
+    """
+    if workers is None:
+        try:
+            workers = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            workers = os.cpu_count() or 1
+        workers = min(workers, AUTO_MAX)
+    return max(1, min(int(workers), n_tasks))
+
+
+def _run(i: int) -> tuple[int, SimRun, float]:
+    system, arr, seed = _TASKS[i]
+    t0 = time.perf_counter()
+    r = simulate(system, arr, seed=seed)
+    return i, r, time.perf_counter() - t0
+
+
+def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
+                  progress: Callable[[str], None] | None = print) -> list[tuple[SimRun, float]]:
+    """Simulate each ``(system, arrivals, seed)`` of ``tasks``; ``(run, wall seconds it took)`` per task, in order
+    (``[Note: simulations in parallel]``)."""
+    global _TASKS
+    n = auto_workers(len(tasks), workers)
+    if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        out = []
+        for system, arr, seed in tasks:
+            t0 = time.perf_counter()
+            out.append((simulate(system, arr, seed=seed), time.perf_counter() - t0))
+        return out
+    results: list[tuple[SimRun, float] | None] = [None] * len(tasks)
+    t0 = shown = time.perf_counter()
+    _TASKS = tasks
+    try:
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+            pending = {pool.submit(_run, i): i for i in range(len(tasks))}
+            while pending:
+                done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
+                for f in done:
+                    i = pending.pop(f)
+                    try:
+                        _, r, dt = f.result()
+                    except BrokenProcessPool as e:
+                        raise HpcsplitError(
+                            f"a simulation worker process died (task {i + 1} of {len(tasks)}; killed, or out of "
+                            f"memory?): rerun with fewer workers (simulate.workers / allocate.sim_workers = 1 runs "
+                            f"them in this process)") from e
+                    results[i] = (r, dt)
+                now = time.perf_counter()
+                if progress is not None and pending and now - shown >= PROGRESS_EVERY_S:
+                    shown = now
+                    progress(f"simulated {len(tasks) - len(pending)} of {len(tasks)} sessions on {n} processes "
+                             f"({now - t0:.0f} s)")
+    finally:
+        _TASKS = ()
+    return [r for r in results if r is not None]

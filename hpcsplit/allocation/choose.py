@@ -20,7 +20,8 @@ The allocator maximises throughput, which on CPU favours one thread per rank; so
 plans, made with the SLO applied to each component at 1, 0.7, 0.5 and 0.35 times the end-to-end SLO (a tighter
 one leaves only faster options: more threads, larger slices, smaller batches), and every distinct plan is
 simulated at the demanded rate with Poisson arrivals (:mod:`hpcsplit.core.simulator`, the calibration's costs);
-a candidate's figures are those of its best plan.  ``objective: goodput`` picks the highest goodput (requests done
+a candidate's figures are those of its best plan.  The plans of every candidate at one device count are
+simulated together, spread over ``allocate.sim_workers`` processes (``[Note: simulations in parallel]``).  ``objective: goodput`` picks the highest goodput (requests done
 within the SLO per second of the offered schedule: candidates that meet the SLO for the same requests tie) on the
 whole cluster, then the lowest p50, then the fewest devices; ``objective: devices`` the fewest devices
 whose simulated share of requests within the SLO reaches ``slo_quantile``, then the highest goodput.  The plan
@@ -242,48 +243,66 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
     duration_s = max(MIN_REQUESTS / rate, 10.0)
     arr = arrival_times(rate, duration_s, "poisson", 0)
     frontend_s = frontend_s_per_request(calibration)
-    rows: list[dict[str, Any]] = []
-    plans: dict[int, Plan] = {}
     base = dataclasses.replace(settings, rate_rps=None)
+    cands = []
     for cand in candidates(graph, {c: _batch1_ms(profile.components[c]) for c in names}):
         served = cand.served(names)
         comps = {s: merged_profile([profile.components[m] for m in ms], s) if len(ms) > 1 else profile.components[ms[0]]
                  for s, ms in served.items()}
-        prof = dataclasses.replace(profile, components=comps)
-        for cl in counts:
-            row: dict[str, Any] = {"candidate": cand.name, "served": list(served), "devices": _devices(cl)}
-            top: tuple[Any, ...] | None = None
-            errors = []
+        cands.append((cand, served, dataclasses.replace(profile, components=comps)))
+    # per device count, every open candidate's plans are made, then simulated together ([Note: simulations in
+    # parallel]); the rows keep the order of candidates, then counts
+    found: dict[tuple[int, int], tuple[dict[str, Any], Plan | None]] = {}
+    open_ = list(range(len(cands)))
+    for n_cl, cl in enumerate(counts):
+        trials: list[tuple[int, float, Plan]] = []
+        errors: dict[int, list[str]] = {k: [] for k in open_}
+        for k in open_:
+            cand, _, prof = cands[k]
             seen: set[tuple[Any, ...]] = set()
             for f in PLAN_SLO_FACTORS:  # the allocator's plans under tighter per-component SLOs: faster options
                 try:
                     alloc = allocate(prof, cl, dataclasses.replace(base, slo_ms=slo * f),
                                      frontend_s_per_request=frontend_s)
                 except HpcsplitError as e:
-                    errors.append(str(e).splitlines()[0])
+                    errors[k].append(str(e).splitlines()[0])
                     continue
                 plan = alloc.to_plan()
                 shape = tuple((r.component, r.threads, r.slice_gb, r.batch_size, r.node, r.gpu) for r in plan.ranks)
-                if shape in seen:
-                    continue
-                seen.add(shape)
-                fig = _simulated(plan, cand, profile, graph, calibration, policy, cl, switchboard_sha256, arr,
-                                 duration_s, slo, bind_cores, settings.sim_workers)
+                if shape not in seen:
+                    seen.add(shape)
+                    trials.append((k, f, plan))
+        figs = _simulated([(plan, cands[k][0]) for k, _, plan in trials], profile, graph, calibration, policy, cl,
+                          switchboard_sha256, arr, duration_s, slo, bind_cores, settings.sim_workers)
+        still = []
+        for k in open_:
+            cand, served, _ = cands[k]
+            row: dict[str, Any] = {"candidate": cand.name, "served": list(served), "devices": _devices(cl)}
+            top: tuple[Any, ...] | None = None
+            for (kk, f, plan), fig in zip(trials, figs, strict=True):
                 key = (-round(fig["goodput_rps"], 6), fig["p50_ms"], plan.world_size)
-                if top is None or key < top[0]:
+                if kk == k and (top is None or key < top[0]):
                     top = (key, plan, {**fig, "component_slo_ms": slo * f})
             if top is None:
-                rows.append({**row, "error": errors[0] if errors else "no plan"})
+                found[(k, n_cl)] = ({**row, "error": errors[k][0] if errors[k] else "no plan"}, None)
+                still.append(k)
                 continue
             _, plan, fig = top
             row.update(ranks=plan.world_size, **fig, meets=fig["within_slo"] >= settings.slo_quantile)
-            plans[len(rows)] = plan
-            rows.append(row)
+            found[(k, n_cl)] = (row, plan)
             if log is not None:
                 log(f"candidate {cand.name} on {row['devices']} device(s): {row['within_slo']:.1%} within "
                     f"{slo:g} ms, p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms ({plan.world_size} ranks)")
-            if settings.objective == "devices" and row["meets"]:
-                break  # more devices cannot be fewer
+            if not (settings.objective == "devices" and row["meets"]):  # more devices cannot be fewer
+                still.append(k)
+        open_ = still
+    rows: list[dict[str, Any]] = []
+    plans: dict[int, Plan] = {}
+    for pos in sorted(found):
+        row, got = found[pos]
+        if got is not None:
+            plans[len(rows)] = got
+        rows.append(row)
     ok = [i for i in plans]
     if not ok:
         raise AllocationError("no candidate split could be allocated on this cluster:\n  - "
@@ -314,25 +333,33 @@ def choose(profile: Profile, cluster: ClusterSpec, settings: AllocateSettings, g
     return Choice(dataclasses.replace(plan, meta=meta), tuple(rows), rows[best]["candidate"], why)
 
 
-def _simulated(plan: Plan, cand: Candidate, profile: Profile, graph: SimGraph, calibration: Calibration,
+def _simulated(trials: Sequence[tuple[Plan, Candidate]], profile: Profile, graph: SimGraph, calibration: Calibration,
                policy: ServePolicy, cl: ClusterSpec, sha: str | None, arr: np.ndarray, duration_s: float,
-               slo: float, bind_cores: bool = False, workers: int | None = None) -> dict[str, float]:
-    """Medians over :data:`RUNS` simulations of ``plan`` at the schedule ``arr`` (``duration_s`` long): the share of
-    requests done within ``slo`` and their rate over the schedule (the same requests: the same goodput)."""
-    variant = "whole" if cand.groups == ((WHOLE,),) else "grouped"
-    system = build_system(plan, profile.components, graph, calibration, policy, variant=variant,
-                          groups=[list(g) for g in cand.groups if g != (WHOLE,)],
-                          cores_per_node=float(cl.cores_per_node), switchboard_sha256=sha, bind_cores=bind_cores)
-    within, good, p50, p99 = [], [], [], []
-    for r, _ in simulate_many([(system, arr, k) for k in range(RUNS)], workers, progress=None):
-        okl = ((r.done_s - r.arrival_s) * 1e3)[r.ok]
-        n_in = int((okl <= slo).sum())
-        within.append(n_in / len(arr))
-        good.append(n_in / duration_s)
-        p50.append(float(np.percentile(okl, 50)) if okl.size else math.inf)
-        p99.append(float(np.percentile(okl, 99)) if okl.size else math.inf)
-    return {"within_slo": float(np.median(within)), "goodput_rps": float(np.median(good)),
-            "p50_ms": float(np.median(p50)), "p99_ms": float(np.median(p99))}
+               slo: float, bind_cores: bool = False, workers: int | None = None) -> list[dict[str, float]]:
+    """Per ``(plan, candidate)``, medians over :data:`RUNS` simulations at the schedule ``arr`` (``duration_s``
+    long): the share of requests done within ``slo`` and their rate over the schedule (the same requests: the same
+    goodput).  Every trial's runs go to one pool of ``workers`` processes."""
+    tasks = []
+    for plan, cand in trials:
+        variant = "whole" if cand.groups == ((WHOLE,),) else "grouped"
+        system = build_system(plan, profile.components, graph, calibration, policy, variant=variant,
+                              groups=[list(g) for g in cand.groups if g != (WHOLE,)],
+                              cores_per_node=float(cl.cores_per_node), switchboard_sha256=sha, bind_cores=bind_cores)
+        tasks += [(system, arr, k) for k in range(RUNS)]
+    runs = simulate_many(tasks, workers, progress=None)
+    out = []
+    for t in range(len(trials)):
+        within, good, p50, p99 = [], [], [], []
+        for r, _ in runs[t * RUNS:(t + 1) * RUNS]:
+            okl = ((r.done_s - r.arrival_s) * 1e3)[r.ok]
+            n_in = int((okl <= slo).sum())
+            within.append(n_in / len(arr))
+            good.append(n_in / duration_s)
+            p50.append(float(np.percentile(okl, 50)) if okl.size else math.inf)
+            p99.append(float(np.percentile(okl, 99)) if okl.size else math.inf)
+        out.append({"within_slo": float(np.median(within)), "goodput_rps": float(np.median(good)),
+                    "p50_ms": float(np.median(p50)), "p99_ms": float(np.median(p99))})
+    return out
 
 
 def _batch1_ms(cp: ComponentProfile) -> float:

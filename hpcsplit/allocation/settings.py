@@ -57,7 +57,7 @@ class AllocateSettings:
     max_cg_iters: int
     rate_rps: float | None = None  # a demanded rate: choose the split and plan by simulated goodput (choose.py)
     objective: str = "goodput"  # with rate_rps: "goodput" (the highest) or "devices" (the fewest meeting the SLO)
-    sim_workers: int | None = None  # with rate_rps: processes a candidate's simulations are spread over (None: auto)
+    sim_workers: int | None = None  # with rate_rps: processes the candidates' simulations are spread over (None: auto)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> AllocateSettings:

@@ -108,6 +108,15 @@ def test_fewest_devices_that_meet_the_slo() -> None:
     best = next(r for r in c.rows if r.get("chosen"))
     assert best["meets"] and best["devices"] == min(r["devices"] for r in c.rows if r.get("meets"))
     assert "fewest devices" in c.why
+    # every candidate's plans at a device count are simulated together: the same rows, in the same order (candidates,
+    # then counts; none past the count it met the SLO on), with one worker process or two
+    serial = choose(prof, two, _settings(6, 400.0, objective="devices", sim_workers=1), _two_towers(), _cal(0.3),
+                    ServePolicy())
+    assert serial.rows == c.rows and serial.why == c.why
+    order = [(r["candidate"], r["devices"]) for r in c.rows]
+    assert order == sorted(order, key=lambda x: ([r["candidate"] for r in c.rows].index(x[0]), x[1]))
+    met = {r["candidate"]: r["devices"] for r in c.rows if r.get("meets")}
+    assert all(r["devices"] <= met.get(r["candidate"], r["devices"]) for r in c.rows)
 
 
 def test_rate_needs_one_end_to_end_slo() -> None:

@@ -11,8 +11,10 @@ one after the other in any order on any number of workers (``tests/unit/test_sim
 - ``workers=None`` (``simulate.workers`` / ``allocate.sim_workers`` null): one per core this process may run on
   (``os.sched_getaffinity``), at most :data:`AUTO_MAX` (a shared login node), at most one per task;
 - one worker, one task, or a platform without ``fork``: in this process, as before;
-- a worker that dies (killed, out of memory) ends the call with an ``HpcsplitError`` naming the task; the pool's
-  processes end with the call (the ``with`` block), never outliving it;
+- a worker that dies (killed, out of memory) ends the call with an ``HpcsplitError`` naming the task;
+- no worker outlives the call: they end with it, are terminated when it is interrupted (an error, Ctrl-C, a
+  SIGTERM handler's exception) rather than left to finish their sessions, and get SIGKILL from the kernel when
+  the caller dies (``die_with_parent``);
 - progress: a line every :data:`PROGRESS_EVERY_S` seconds while the tasks last longer than that.
 """
 
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from hpcsplit.core.procs import die_with_parent
 from hpcsplit.core.simulator import SimRun, SimSystem, simulate
 from hpcsplit.errors import HpcsplitError
 
@@ -55,6 +59,14 @@ def auto_workers(n_tasks: int, workers: int | None = None) -> int:
     return max(1, min(int(workers), n_tasks))
 
 
+def _worker(parent: int) -> None:
+    """A worker's start: killed with its parent; SIGTERM ends it (not a handler inherited from the caller), and
+    Ctrl-C is its parent's to act on (the parent then terminates it)."""
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _run(i: int) -> tuple[int, SimRun, float]:
     system, arr, seed = _TASKS[i]
     t0 = time.perf_counter()
@@ -75,28 +87,44 @@ def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
             out.append((simulate(system, arr, seed=seed), time.perf_counter() - t0))
         return out
     results: list[tuple[SimRun, float] | None] = [None] * len(tasks)
-    t0 = shown = time.perf_counter()
     _TASKS = tasks
+    before = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_worker,
+                               initargs=(os.getpid(),))
     try:
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
-            pending = {pool.submit(_run, i): i for i in range(len(tasks))}
-            while pending:
-                done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
-                for f in done:
-                    i = pending.pop(f)
-                    try:
-                        _, r, dt = f.result()
-                    except BrokenProcessPool as e:
-                        raise HpcsplitError(
-                            f"a simulation worker process died (task {i + 1} of {len(tasks)}; killed, or out of "
-                            f"memory?): rerun with fewer workers (simulate.workers / allocate.sim_workers = 1 runs "
-                            f"them in this process)") from e
-                    results[i] = (r, dt)
-                now = time.perf_counter()
-                if progress is not None and pending and now - shown >= PROGRESS_EVERY_S:
-                    shown = now
-                    progress(f"simulated {len(tasks) - len(pending)} of {len(tasks)} sessions on {n} processes "
-                             f"({now - t0:.0f} s)")
+        pending = {pool.submit(_run, i): i for i in range(len(tasks))}
+        _collect(pending, results, n, progress)
+    except BaseException:  # an error, Ctrl-C, SIGTERM: the sessions still running are not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
+        ours = [p for p in multiprocessing.active_children() if p not in before]
+        for p in ours:
+            p.terminate()
+        for p in ours:
+            p.join(5.0)
+        raise
     finally:
+        pool.shutdown(wait=True)
         _TASKS = ()
     return [r for r in results if r is not None]
+
+
+def _collect(pending: dict[Future[tuple[int, SimRun, float]], int], results: list[tuple[SimRun, float] | None],
+             n: int, progress: Callable[[str], None] | None) -> None:
+    """Fill ``results`` as the workers finish ``pending``; a progress line every :data:`PROGRESS_EVERY_S`."""
+    total = len(pending)
+    t0 = shown = time.perf_counter()
+    while pending:
+        done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
+        for f in done:
+            i = pending.pop(f)
+            try:
+                _, r, dt = f.result()
+            except BrokenProcessPool as e:
+                raise HpcsplitError(
+                    f"a simulation worker process died (task {i + 1} of {total}; killed, or out of memory?): rerun "
+                    f"with fewer workers (simulate.workers / allocate.sim_workers = 1 runs them in this process)") from e
+            results[i] = (r, dt)
+        now = time.perf_counter()
+        if progress is not None and pending and now - shown >= PROGRESS_EVERY_S:
+            shown = now
+            progress(f"simulated {total - len(pending)} of {total} sessions on {n} processes ({now - t0:.0f} s)")

@@ -784,6 +784,43 @@ def test_simulations_spread_over_processes_give_the_same_figures_in_order(monkey
         simulate_many(tasks[:2], workers=2)
 
 
+def test_an_interrupted_pool_of_simulations_ends_its_workers_at_once(monkeypatch) -> None:
+    """An interruption (here the progress line raising, as Ctrl-C would in the wait) terminates the workers still
+    in their sessions instead of waiting for them; and each worker asked the kernel to kill it with its parent."""
+    import multiprocessing
+    import signal
+    import time
+
+    from hpcsplit.core import sim_pool
+
+    def slow(*_a: object, **_k: object) -> None:
+        time.sleep(600)
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(_line: str) -> None:
+        raise Stop
+
+    before = set(multiprocessing.active_children())
+    monkeypatch.setattr(sim_pool, "simulate", slow)
+    monkeypatch.setattr(sim_pool, "PROGRESS_EVERY_S", 0.2)
+    seen: list[multiprocessing.process.BaseProcess] = []
+    real_collect = sim_pool._collect
+
+    def collect(*a: object, **k: object) -> None:
+        seen.extend(p for p in multiprocessing.active_children() if p not in before)
+        real_collect(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_pool, "_collect", collect)
+    system = chain([1.0], free())
+    with pytest.raises(Stop):
+        sim_pool.simulate_many([(system, np.zeros(1), k) for k in range(4)], workers=2, progress=interrupt)
+    assert len(seen) == 2
+    assert all(not p.is_alive() and p.exitcode == -signal.SIGTERM for p in seen)  # terminated, not finished
+    assert not [p for p in multiprocessing.active_children() if p not in before]
+
+
 def test_the_workers_setting_is_checked() -> None:
     from hpcsplit.errors import ConfigError
     from hpcsplit.launch.simulate import SimulateSettings

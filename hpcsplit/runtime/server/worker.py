@@ -20,7 +20,6 @@ worker that gets no STOP ends by itself ``drain_s`` + 15 s after its signal.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import itertools
 import json
 import os
@@ -31,6 +30,7 @@ import sys
 import time
 from typing import Any
 
+from hpcsplit.core.procs import die_with_parent
 from hpcsplit.runtime.heap import settle_heap
 from hpcsplit.runtime.server import channel as ch
 from hpcsplit.runtime.server.hub import Hub, Ticket
@@ -40,7 +40,6 @@ from hpcsplit.runtime.server.tls import load_tls
 
 __all__ = ["WorkerHub", "main"]
 
-PR_SET_PDEATHSIG = 1
 QUERY_TIMEOUT_S = 10.0
 STOP_GRACE_S = 15.0
 
@@ -219,20 +218,9 @@ async def _serve(sock: socket.socket, index: int) -> int:
     return 0 if link.stop.done() and link.stop.result() == "stop" else 1
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the frontend rank ends (``[Note: protocol workers]``)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux: the channel's end still stops the worker
-        pass
-    if os.getppid() != parent:  # the parent died before the request above
-        os._exit(1)
-
-
 def main(argv: list[str]) -> int:
     fd, parent, index = int(argv[0]), int(argv[1]), int(argv[2])
-    _die_with_parent(parent)
+    die_with_parent(parent)  # SIGKILL when the frontend rank ends ([Note: protocol workers])
     sock = socket.socket(fileno=fd)
     try:
         return asyncio.run(_serve(sock, index))

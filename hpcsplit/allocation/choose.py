@@ -21,8 +21,9 @@ plans, made with the SLO applied to each component at 1, 0.7, 0.5 and 0.35 times
 one leaves only faster options: more threads, larger slices, smaller batches), and every distinct plan is
 simulated at the demanded rate with Poisson arrivals (:mod:`hpcsplit.core.simulator`, the calibration's costs);
 a candidate's figures are those of its best plan.  The plans of every candidate at one device count are
-simulated together, spread over ``allocate.sim_workers`` processes (``[Note: simulations in parallel]``).  ``objective: goodput`` picks the highest goodput (requests done
-within the SLO per second of the offered schedule: candidates that meet the SLO for the same requests tie) on the
+simulated together, spread over ``allocate.sim_workers`` processes (``[Note: simulations in parallel]``).
+``objective: goodput`` picks the highest goodput (requests done within the SLO per second of the offered
+schedule: candidates that meet the SLO for the same requests tie) on the
 whole cluster, then the lowest p50, then the fewest devices; ``objective: devices`` the fewest devices
 whose simulated share of requests within the SLO reaches ``slo_quantile``, then the highest goodput.  The plan
 carries the table of candidates and the reason in ``meta.choice``; the stage prints it.

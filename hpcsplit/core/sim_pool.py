@@ -67,11 +67,15 @@ def _worker(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _run(i: int) -> tuple[int, SimRun, float]:
-    system, arr, seed = _TASKS[i]
+def _timed(task: SimTask) -> tuple[SimRun, float]:
+    """One session and the wall seconds it took."""
+    system, arr, seed = task
     t0 = time.perf_counter()
-    r = simulate(system, arr, seed=seed)
-    return i, r, time.perf_counter() - t0
+    return simulate(system, arr, seed=seed), time.perf_counter() - t0
+
+
+def _run(i: int) -> tuple[SimRun, float]:
+    return _timed(_TASKS[i])  # (a worker's: the task inherited from the caller)
 
 
 def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
@@ -81,19 +85,14 @@ def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
     global _TASKS
     n = auto_workers(len(tasks), workers)
     if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        out = []
-        for system, arr, seed in tasks:
-            t0 = time.perf_counter()
-            out.append((simulate(system, arr, seed=seed), time.perf_counter() - t0))
-        return out
-    results: list[tuple[SimRun, float] | None] = [None] * len(tasks)
+        return [_timed(t) for t in tasks]
     _TASKS = tasks
     before = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_worker,
                                initargs=(os.getpid(),))
     try:
         pending = {pool.submit(_run, i): i for i in range(len(tasks))}
-        _collect(pending, results, n, progress)
+        return _collect(pending, n, progress)
     except BaseException:  # an error, Ctrl-C, SIGTERM: the sessions still running are not waited for
         pool.shutdown(wait=False, cancel_futures=True)
         ours = [p for p in multiprocessing.active_children() if p not in before]
@@ -105,20 +104,21 @@ def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
     finally:
         pool.shutdown(wait=True)
         _TASKS = ()
-    return [r for r in results if r is not None]
 
 
-def _collect(pending: dict[Future[tuple[int, SimRun, float]], int], results: list[tuple[SimRun, float] | None],
-             n: int, progress: Callable[[str], None] | None) -> None:
-    """Fill ``results`` as the workers finish ``pending``; a progress line every :data:`PROGRESS_EVERY_S`."""
+def _collect(pending: dict[Future[tuple[SimRun, float]], int], n: int,
+             progress: Callable[[str], None] | None) -> list[tuple[SimRun, float]]:
+    """The results of ``pending`` (future -> task index) in the tasks' order, as the workers finish them; a progress
+    line every :data:`PROGRESS_EVERY_S`."""
     total = len(pending)
+    results: dict[int, tuple[SimRun, float]] = {}
     t0 = shown = time.perf_counter()
     while pending:
         done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
         for f in done:
             i = pending.pop(f)
             try:
-                _, r, dt = f.result()
+                r, dt = f.result()
             except BrokenProcessPool as e:
                 raise HpcsplitError(
                     f"a simulation worker process died (task {i + 1} of {total}; killed, or out of memory?): rerun "
@@ -128,3 +128,4 @@ def _collect(pending: dict[Future[tuple[int, SimRun, float]], int], results: lis
         if progress is not None and pending and now - shown >= PROGRESS_EVERY_S:
             shown = now
             progress(f"simulated {total - len(pending)} of {total} sessions on {n} processes ({now - t0:.0f} s)")
+    return [results[i] for i in range(total)]

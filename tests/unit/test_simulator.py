@@ -808,9 +808,9 @@ def test_an_interrupted_pool_of_simulations_ends_its_workers_at_once(monkeypatch
     seen: list[multiprocessing.process.BaseProcess] = []
     real_collect = sim_pool._collect
 
-    def collect(*a: object, **k: object) -> None:
+    def collect(*a: object, **k: object) -> object:
         seen.extend(p for p in multiprocessing.active_children() if p not in before)
-        real_collect(*a, **k)  # type: ignore[arg-type]
+        return real_collect(*a, **k)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sim_pool, "_collect", collect)
     system = chain([1.0], free())

@@ -33,6 +33,7 @@ def solve_per_device(
     mip_rel_gap: float = 1e-6,
     tol: float = 1e-6,
     stage_time_limit_s: float = math.inf,
+    stage_node_limit: int | None = None,
     levels: int | None = None,
 ) -> Solution:
     """Leximin over integer replica counts per device and item (small clusters: see the module).
@@ -94,6 +95,7 @@ def solve_per_device(
     base = _Base(
         A.tocsr(), np.array(rhs), np.zeros(n), np.array(ub, float), np.ones(n, bool), Y.tocsr(), R.tocsr()
     )
+    clock: list[str] = []
     z, stages, hit = _leximin(
         instance,
         lambda: base,
@@ -102,7 +104,9 @@ def solve_per_device(
         mip_rel_gap=mip_rel_gap,
         tol=tol,
         stage_time_limit_s=stage_time_limit_s,
+        stage_node_limit=stage_node_limit,
         levels=levels,
+        clock=clock,
     )
     chosen: list[list[tuple[Pattern, int]]] = [[] for _ in instance.kinds]
     per_dev: dict[tuple[int, int], dict[int, int]] = {}
@@ -119,5 +123,6 @@ def solve_per_device(
         solver=solver,
         solve_s=time.perf_counter() - t0,
         n_patterns=0,
-        time_limit_hit=hit,
+        limit_hit=hit,
+        clock=tuple(clock),
     )

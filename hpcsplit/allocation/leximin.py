@@ -9,6 +9,16 @@ vector without guessing which component is the bottleneck.  The program under th
 the pattern master of :mod:`hpcsplit.allocation.patterns`, or the per-device formulation of
 :mod:`hpcsplit.allocation.device_solver`.  Each stage's MILP goes through cvxpy and the configured
 solver, HiGHS warm-started from the previous stage's solution.
+
+[Note: deterministic limits]
+The same profile and cluster must give the same plan on any machine and under any load.  A wall-clock
+limit breaks that as soon as it stops a search: a busy login node explores fewer branch-and-bound
+nodes in the same second, and keeps another incumbent.  So each stage's MILP is bounded by its
+*node* count (``stage_node_limit``; stage 1, which fixes the minimum, gets twice), which is the
+same work on any machine, and the wall-clock limits (``stage_time_limit_s``, ``time_limit_s``) sit
+well above it as safety nets.  When one of them does stop the search (a stage's solver, the stage
+loop, stage 1's local search, or an exact pricing), :func:`_leximin` records it in ``clock``, and the
+plan says that it may differ on a faster or slower machine (``Solution.clock_hit``).
 """
 
 from __future__ import annotations
@@ -60,8 +70,14 @@ class Solution:
     solver: str
     solve_s: float
     n_patterns: int
-    time_limit_hit: bool = False
+    limit_hit: bool = False  # a stage stopped at a limit (nodes or wall clock) before proving its optimum
+    clock: tuple[str, ...] = field(default_factory=tuple)  # what the wall clock stopped ([Note: deterministic limits])
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def clock_hit(self) -> bool:
+        """True when a wall-clock limit changed the search: the plan may differ on another machine."""
+        return bool(self.clock)
 
     @property
     def gap(self) -> float:
@@ -157,15 +173,33 @@ def _sum_smallest(y: np.ndarray, k: int) -> float:
     return float(np.sort(y)[:k].sum())
 
 
-def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float) -> dict:
+def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float, node_limit: int | None) -> dict:
     t = max(0.05, float(time_limit_s))
+    nodes = {} if node_limit is None else {"HIGHS": {"mip_max_nodes": int(node_limit)},
+                                           "SCIPY": {"node_limit": int(node_limit)},
+                                           "SCIP": {"limits/nodes": int(node_limit)}}.get(solver, {})
     if solver == "HIGHS":
-        return {"time_limit": t, "mip_rel_gap": mip_rel_gap, "output_flag": False}
+        return {"time_limit": t, "mip_rel_gap": mip_rel_gap, "output_flag": False, **nodes}
     if solver == "SCIPY":
-        return {"scipy_options": {"time_limit": t, "mip_rel_gap": mip_rel_gap}}
+        return {"scipy_options": {"time_limit": t, "mip_rel_gap": mip_rel_gap, **nodes}}
     if solver == "SCIP":
-        return {"scip_params": {"limits/time": t, "limits/gap": mip_rel_gap}}
+        return {"scip_params": {"limits/time": t, "limits/gap": mip_rel_gap, **nodes}}
     return {}
+
+
+def _stopped_by_clock(prob: Any, solver: str, node_limit: int | None, elapsed_s: float, time_limit_s: float) -> bool:
+    """Whether a solve that did not prove its optimum was stopped by the wall clock, not its node limit.
+
+    HiGHS reports its node count; for other solvers a solve that ran to (nearly) its time limit counts
+    as stopped by it.  Without a node limit, any stop is the clock's."""
+    if node_limit is None:
+        return True
+    if solver == "HIGHS":
+        st = prob.solver_stats.extra_stats if prob.solver_stats is not None else None
+        raw = st.get("mip_node_count") if isinstance(st, dict) else getattr(st, "mip_node_count", None)
+        if isinstance(raw, (int, float, np.integer)):
+            return int(raw) < int(node_limit)
+    return elapsed_s >= 0.9 * max(0.05, time_limit_s)
 
 
 def _solve_milp(
@@ -177,8 +211,10 @@ def _solve_milp(
     mip_rel_gap: float,
     extra: dict | None = None,
     start: np.ndarray | None = None,
-) -> tuple[np.ndarray | None, str, float]:
-    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf).
+    node_limit: int | None = None,
+) -> tuple[np.ndarray | None, str, float, bool]:
+    """Stage k's MILP with cvxpy; returns (z or None, status, the solver's upper bound or inf, whether
+    the wall clock stopped it before ``node_limit`` did: [Note: deterministic limits]).
 
     ``start``: a point z satisfying stage k's constraints (the previous stage's solution), handed
     to HiGHS as its first incumbent so that it prunes from the start (other solvers ignore it).
@@ -205,34 +241,34 @@ def _solve_milp(
     if start is not None and solver == "HIGHS":
         x0 = _stage_point(base, k, fixed, start, len(c))[perm]
         warm = _seed_highs(prob, parts, x0)
+    opts = _solver_opts(solver, time_limit_s, mip_rel_gap, node_limit)
+    t0 = time.perf_counter()
     try:
         with warnings.catch_warnings():  # a time-limited solve warns "inaccurate"; we check the point
             warnings.filterwarnings("ignore", message="Solution may be inaccurate")
-            prob.solve(
-                solver=solver,
-                warm_start=warm,
-                **_solver_opts(solver, time_limit_s, mip_rel_gap),
-                **(extra or {}),
-            )
+            prob.solve(solver=solver, warm_start=warm, **opts, **(extra or {}))
     except cp.error.SolverError as e:
-        return None, f"solver error: {e}", math.inf
+        return None, f"solver error: {e}", math.inf, False
     except Exception:
         if not warm:
             raise
         # the warm start went through cvxpy internals; solve again cold rather than fail
         getattr(prob, "_solver_cache", {}).pop("HIGHS", None)
-        prob.solve(solver=solver, **_solver_opts(solver, time_limit_s, mip_rel_gap), **(extra or {}))
+        t0 = time.perf_counter()
+        prob.solve(solver=solver, **opts, **(extra or {}))
     upper = _dual_bound(prob)
+    clock = str(prob.status) not in ("optimal", "infeasible", "unbounded") and _stopped_by_clock(
+        prob, solver, node_limit, time.perf_counter() - t0, time_limit_s)
     if zp.value is None:
-        return None, str(prob.status), upper
+        return None, str(prob.status), upper, clock
     z = np.empty(len(c))
     z[perm] = np.asarray(zp.value).ravel()
     z = z[:n0]
     z[base.integer] = np.round(z[base.integer])
     # a solver stopped by its time limit may hand back a point that is not a solution
     if not _feasible(base, z, k, fixed):
-        return None, f"{prob.status} (no feasible integer point)", upper
-    return z, str(prob.status), upper
+        return None, f"{prob.status} (no feasible integer point)", upper, clock
+    return z, str(prob.status), upper, clock
 
 
 def _stage_point(base: _Base, k: int, fixed: Mapping[int, float], z: np.ndarray, nv: int) -> np.ndarray:
@@ -317,16 +353,19 @@ def _leximin(
     before_stage: Callable[[int, Mapping[int, float]], float] | None = None,
     n_patterns: Callable[[], int] = lambda: 0,
     stage_time_limit_s: float = math.inf,
+    stage_node_limit: int | None = None,
     complete: bool = True,
     levels: int | None = None,
     fallback: Callable[[], np.ndarray | None] | None = None,
     improve: Callable[[np.ndarray], bool] | None = None,
     shrink: Callable[[np.ndarray], np.ndarray] | None = None,
+    clock: list[str] | None = None,
 ) -> tuple[np.ndarray, list[StageInfo], bool]:
     """Run the leximin stages; ``before_stage(k, fixed)`` may grow the pool and returns an LP bound.
 
     ``levels``: solve stages 1..levels exactly, then one last stage (the total) with those fixed;
-    None solves every stage (exact leximin).
+    None solves every stage (exact leximin).  ``stage_node_limit`` bounds each stage's MILP (stage 1:
+    twice); ``clock`` collects what a wall-clock limit stopped ([Note: deterministic limits]).
     """
     na = len(instance.active)
     fixed: dict[int, float] = {}
@@ -334,11 +373,13 @@ def _leximin(
     t0 = time.perf_counter()
     z_best: np.ndarray | None = None
     hit = False
+    clock = clock if clock is not None else []
     m = na if levels is None else max(1, min(int(levels), na))
     seq = list(range(1, m + 1)) + ([na] if m < na else [])
     for pos, k in enumerate(seq):
         if pos and time.perf_counter() - t0 > time_limit_s:
             hit = True
+            clock.append(f"time_limit_s={time_limit_s:g} ran out before stage {k} (of {seq[-1]})")
             break
         bound = before_stage(k, fixed) if before_stage else math.inf
         base = base_fn()
@@ -346,6 +387,7 @@ def _leximin(
         # share what is left over the remaining stages, the earlier ones getting more
         cap = stage_time_limit_s * (2 if pos == 0 else 1)  # stage 1 fixes the minimum: it gets more
         budget = max(0.1, min(cap, left * 2 / (len(seq) - pos + 1)))
+        nodes = None if stage_node_limit is None else int(stage_node_limit) * (2 if pos == 0 else 1)
         ts = time.perf_counter()
         if z_best is not None:
             z_best = _pad(z_best, base)
@@ -361,7 +403,11 @@ def _leximin(
                 start = _pad(start, base)
                 if not _feasible(base, start, k, fixed):
                     start = None
-        z, status, upper = _solve_milp(base, k, fixed, solver, budget, mip_rel_gap, start=start)
+        z, status, upper, stopped = _solve_milp(
+            base, k, fixed, solver, budget, mip_rel_gap, start=start, node_limit=nodes)
+        if stopped:
+            clock.append(f"stage {k} stopped at its wall-clock limit ({budget:.2g} s)"
+                         + ("" if nodes is None else f" before its node limit ({nodes})"))
         if complete:  # the solver's bound covers every pattern only when the pool has them all
             bound = min(bound, upper)
         if status != "optimal":
@@ -387,17 +433,23 @@ def _leximin(
             and rounds < _IMPROVE_ROUNDS
             and bound < math.inf
             and val < bound * (1 - _IMPROVE_GAP)
-            and time.perf_counter() - t0 < time_limit_s / 2
-            and improve(z)
         ):
+            if time.perf_counter() - t0 >= time_limit_s / 2:
+                clock.append(f"stage 1's local search stopped at half of time_limit_s={time_limit_s:g}")
+                break
+            if not improve(z):
+                break
             # local search over patterns: widen the pool around this solution, solve stage 1 again
             rounds += 1
             base = base_fn()
             z = _pad(z, base)
             left = time_limit_s - (time.perf_counter() - t0)
-            z2, status2, _ = _solve_milp(
-                base, k, fixed, solver, max(0.1, min(cap, left / 2)), mip_rel_gap, start=z
+            lim = max(0.1, min(cap, left / 2))
+            z2, status2, _, stopped = _solve_milp(
+                base, k, fixed, solver, lim, mip_rel_gap, start=z, node_limit=nodes
             )
+            if stopped:
+                clock.append(f"stage 1's local search round {rounds} stopped at its wall-clock limit ({lim:.2g} s)")
             better = z2 is not None and _sum_smallest(base.Y @ z2, k) > val * (1 + 1e-9)
             if better and z2 is not None:
                 z, status, val = z2, status2, _sum_smallest(base.Y @ z2, k)

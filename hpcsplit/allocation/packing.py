@@ -285,17 +285,23 @@ def _dp_price(
 
 
 def price_pattern(
-    kind: DeviceKind, values: np.ndarray, *, time_limit_s: float | None = None, with_bound: bool = False
+    kind: DeviceKind,
+    values: np.ndarray,
+    *,
+    time_limit_s: float | None = None,
+    node_limit: int | None = None,
+    with_bound: bool = False,
 ):
     """The pattern of ``kind`` with the largest total item value (a small knapsack MILP, exact).
 
     ``values[i]`` is item i's value; items with value <= 0 are left out.  Returns
-    ``(value, pattern)``, or ``(value, pattern, upper bound)`` with ``with_bound`` (the bound is
-    the value unless ``time_limit_s`` stopped the search).
+    ``(value, pattern)``, or ``(value, pattern, upper bound, clock)`` with ``with_bound``: the bound
+    is the value unless a limit stopped the search, and ``clock`` says whether ``time_limit_s``
+    (not ``node_limit``) did ([Note: deterministic limits] in :mod:`hpcsplit.allocation.leximin`).
     """
     use = _undominated(kind, values)
     if use.size == 0:
-        return (0.0, (), 0.0) if with_bound else (0.0, ())
+        return (0.0, (), 0.0, False) if with_bound else (0.0, ())
     items = [kind.items[i] for i in use]
     n_it = len(items)
     rows: list[np.ndarray] = []
@@ -335,10 +341,13 @@ def price_pattern(
         integrality=np.ones(width),
         bounds=(np.zeros(width), ubx),
         constraints=LinearConstraint(np.array(rows), -np.inf, np.array(ub)),
-        options={"mip_rel_gap": 1e-7, **({"time_limit": time_limit_s} if time_limit_s else {})},
+        options={"mip_rel_gap": 1e-7, **({"time_limit": time_limit_s} if time_limit_s else {}),
+                 **({"node_limit": int(node_limit)} if node_limit is not None else {})},
     )
+    nodes = getattr(res, "mip_node_count", None)
+    clock = res.status == 1 and (node_limit is None or nodes is None or int(nodes) < int(node_limit))
     if res.x is None:  # pragma: no cover - the empty pattern is always feasible
-        return (0.0, (), math.inf) if with_bound else (0.0, ())
+        return (0.0, (), math.inf, clock) if with_bound else (0.0, ())
     upper = -float(getattr(res, "mip_dual_bound", None) or res.fun) if res.status != 0 else -float(res.fun)
     cnt = np.round(res.x[:n_it]).astype(int)
     pat = tuple((int(use[j]), int(cnt[j])) for j in range(n_it) if cnt[j] > 0)
@@ -351,7 +360,7 @@ def price_pattern(
                 del d[j]
         pat = tuple(sorted(d.items()))
     val = float(sum(values[i] * k for i, k in pat))
-    return (val, pat, max(val, upper)) if with_bound else (val, pat)
+    return (val, pat, max(val, upper), clock) if with_bound else (val, pat)
 
 
 # ------------------------------------------------------------------------------------ pattern pools

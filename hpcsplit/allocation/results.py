@@ -119,7 +119,8 @@ class Allocation:
             f"allocation on {self.cluster.name} ({self.cluster.device_kind}, {self.cluster.nodes} node(s)): "
             f"{len(self.replicas)} replicas, solver {s.get('solver')} ({s.get('mode')}), "
             f"{s.get('solve_s', 0):.2f} s, gap {s.get('gap', 0):.2%}"
-            + (" [time limit hit]" if s.get("time_limit_hit") else ""),
+            + (" [stopped at a limit]" if s.get("limit_hit") else "")
+            + (" [wall clock: may differ on another machine]" if s.get("clock_hit") else ""),
         ]
         for c in self.components:
             n = sum(1 for r in self.replicas if r.option.component == c)

@@ -39,6 +39,7 @@ class AllocateSettings:
     solver: str  # cvxpy MILP solver, upper case
     time_limit_s: float
     stage_time_limit_s: float | None  # None (or 0): only time_limit_s
+    stage_node_limit: int | None  # branch-and-bound nodes per stage (stage 1: twice); None: only the clocks
     mip_rel_gap: float
     leximin_tol: float
     leximin_levels: int | None
@@ -114,6 +115,7 @@ def build_settings(values: Mapping[str, Any] | None) -> tuple[AllocateSettings, 
         solver=solver,
         time_limit_s=c.number("time_limit_s", lo=0, lo_open=True),
         stage_time_limit_s=c.number("stage_time_limit_s", lo=0, none=True) or None,
+        stage_node_limit=c.integer("stage_node_limit", lo=1, none=True),
         mip_rel_gap=c.number("mip_rel_gap", lo=0),
         leximin_tol=c.number("leximin_tol", lo=0),
         leximin_levels=c.integer("leximin_levels", lo=1, none=True),

@@ -176,6 +176,15 @@ def allocate(
     sol = _solve(instance, table, cluster, s)
     alloc = _to_allocation(plist, cluster, table, instance, where, sol, weights, s, time.perf_counter() - t0)
     alloc.solve["oversubscribed_cores"] = extra
+    if sol.clock_hit:  # [Note: deterministic limits] in hpcsplit.allocation.leximin
+        more = f" and {len(sol.clock) - 2} more" if len(sol.clock) > 2 else ""
+        msg = (f"a wall-clock limit stopped the search ({'; '.join(sol.clock[:2])}{more}): this plan may differ on a "
+               f"faster or slower machine; raise allocate.stage_time_limit_s (now {s.stage_time_limit_s}) and "
+               f"allocate.time_limit_s (now {s.time_limit_s:g}), or "
+               + ("set allocate.stage_node_limit (the default 1000 is the same work on any machine)"
+                  if s.stage_node_limit is None else f"lower allocate.stage_node_limit (now {s.stage_node_limit})"))
+        alloc.solve["notes"].append(msg)
+        log.warning("%s", msg)
     if extra:
         alloc.solve["notes"].append(
             f"node 0 oversubscribed by {extra} core(s): throughput predictions optimistic"
@@ -203,6 +212,7 @@ def _solve(
                 mip_rel_gap=s.mip_rel_gap,
                 tol=s.leximin_tol,
                 stage_time_limit_s=4 * stage_s,
+                stage_node_limit=None if s.stage_node_limit is None else 4 * s.stage_node_limit,
                 levels=s.leximin_levels,
             )
         return solve_patterns(
@@ -216,6 +226,7 @@ def _solve(
             max_patterns=s.max_patterns,
             max_cg_iters=s.max_cg_iters,
             stage_time_limit_s=stage_s,
+            stage_node_limit=s.stage_node_limit,
             levels=s.leximin_levels,
         )
     except _Infeasible as e:
@@ -328,7 +339,9 @@ def _to_allocation(
         "total_s": elapsed,
         "gap": sol.gap,
         "max_gap": sol.max_gap,
-        "time_limit_hit": sol.time_limit_hit,
+        "limit_hit": sol.limit_hit,
+        "clock_hit": sol.clock_hit,
+        "clock": list(sol.clock),
         "n_patterns": sol.n_patterns,
         "stages": [
             {

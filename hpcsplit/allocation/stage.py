@@ -75,7 +75,8 @@ def run_allocate(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "min_normalised_throughput": alloc.min_normalised_throughput,
         "solve_s": alloc.solve.get("solve_s"),
         "gap": alloc.solve.get("gap"),
-        "time_limit_hit": alloc.solve.get("time_limit_hit"),
+        "limit_hit": alloc.solve.get("limit_hit"),
+        "clock_hit": alloc.solve.get("clock_hit"),
         "solver": alloc.solve.get("solver"),
     }
 

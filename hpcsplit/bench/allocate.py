@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--levels", type=int, default=None, help="leximin stages solved exactly (default: all)")
     ap.add_argument("--stage-time-limit", type=float, default=None)
+    ap.add_argument("--stage-node-limit", type=int, default=None,
+                    help="branch-and-bound nodes per leximin stage (default: allocate.stage_node_limit); 0: none")
     ap.add_argument(
         "--no-aggregated",
         dest="aggregated",
@@ -104,6 +106,8 @@ def main(argv: list[str]) -> int:
         extra["leximin_levels"] = a.levels
     if a.stage_time_limit is not None:
         extra["stage_time_limit_s"] = a.stage_time_limit
+    if a.stage_node_limit is not None:
+        extra["stage_node_limit"] = a.stage_node_limit or None
     for g in (int(x) for x in a.gpus.split(",")):
         for c in (int(x) for x in a.components.split(",")):
             prof = synthetic_profile(c, seed=a.seed + c)
@@ -122,7 +126,9 @@ def main(argv: list[str]) -> int:
                 dc = time.process_time() - tc
                 base = base or al.min_normalised_throughput
                 ratio = al.min_normalised_throughput / base if base else float("nan")
-                note = "TIME LIMIT" if al.solve["time_limit_hit"] else ""
+                # NODES: a stage stopped at its node limit (the same plan anywhere); CLOCK: a wall-clock limit
+                # stopped the search, and the plan may differ on another machine
+                note = "CLOCK" if al.solve["clock_hit"] else "NODES" if al.solve["limit_hit"] else ""
                 if len(solvers) > 1 and s != solvers[0]:
                     note += f" min/{solvers[0]}={ratio:.4f}"
                 print(

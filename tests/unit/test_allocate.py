@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -394,11 +397,45 @@ def test_unknown_option_is_rejected():
         allocate(gpu_profile(SPEC), gpu_cluster(), max_patern=3)
 
 
-def test_time_limit_keeps_a_valid_plan_and_reports_it():
+def test_time_limit_keeps_a_valid_plan_and_says_it_may_differ_elsewhere():
     prof, cl = synthetic_profile(3, seed=1), synthetic_cluster(4)
     al = allocate(prof, cl, time_limit_s=1e-3)
-    assert al.solve["time_limit_hit"] and len(al.solve["stages"]) < 3
+    assert al.solve["limit_hit"] and al.solve["clock_hit"] and len(al.solve["stages"]) < 3
+    assert any("time_limit_s=0.001 ran out before stage" in c for c in al.solve["clock"]), al.solve["clock"]
+    assert any("may differ on a faster or slower machine" in n for n in al.solve["notes"]), al.solve["notes"]
+    assert "wall clock: may differ" in al.summary()
     assert al.replicas and set(al.throughput_rps) == set(prof.components)
+    validate_plan(al.to_plan(), prof, cl)
+
+
+def _placement(al) -> list[tuple]:
+    return [(r.node, r.gpu, r.slot, r.option.component, r.option.batch_size, r.option.slice_size) for r in al.replicas]
+
+
+def test_node_limit_gives_the_same_plan_on_a_busy_machine():
+    """[Note: deterministic limits]: a stage stopped by its node count, not the clock, so a loaded machine and a
+    ten times longer wall-clock limit give the same plan."""
+    prof, cl = synthetic_profile(6, seed=6), synthetic_cluster(64)
+    quiet = allocate(prof, cl, stage_node_limit=1, leximin_levels=1)
+    assert quiet.solve["limit_hit"] and not quiet.solve["clock_hit"], quiet.solve
+    assert quiet.solve["stages"][0]["status"] == "user_limit"  # stage 1 did stop at its node limit
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        busy = allocate(prof, cl, stage_node_limit=1, leximin_levels=1, stage_time_limit_s=50)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert not busy.solve["clock_hit"], busy.solve["clock"]
+    assert _placement(busy) == _placement(quiet)
+    assert busy.throughput_rps == quiet.throughput_rps
+
+
+def test_without_a_node_limit_a_stopped_stage_is_the_clocks():
+    prof, cl = synthetic_profile(6, seed=6), synthetic_cluster(64)
+    al = allocate(prof, cl, stage_node_limit=None, stage_time_limit_s=1e-3, leximin_levels=1)
+    assert al.solve["clock_hit"] and any("wall-clock limit" in c for c in al.solve["clock"]), al.solve["clock"]
+    assert any("set allocate.stage_node_limit" in n for n in al.solve["notes"]), al.solve["notes"]
     validate_plan(al.to_plan(), prof, cl)
 
 
@@ -453,10 +490,11 @@ def test_settings_come_from_the_yaml_and_list_every_problem():
     with pytest.raises(ConfigError) as e:
         AllocateSettings.from_config(
             {"allocate": {"time_limit_s": 0, "mode": "fast", "cpu_timeshare": "yes", "leximin_levels": 0,
-                          "slo_ms": -2, "demand_weights": {"a": -1}, "util_limt": 1.0}}
+                          "slo_ms": -2, "demand_weights": {"a": -1}, "util_limt": 1.0, "stage_node_limit": 2.5}}
         )
     msg = str(e.value)
     for needle in ("time_limit_s = 0", "mode = 'fast'", "cpu_timeshare = 'yes'", "leximin_levels = 0",
+                   "stage_node_limit = 2.5",
                    "slo_ms = -2", "{'a': -1}", "util_limt is not a setting (did you mean 'util_limit'?)"):
         assert needle in msg, needle
 

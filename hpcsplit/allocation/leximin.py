@@ -16,9 +16,11 @@ limit breaks that as soon as it stops a search: a busy login node explores fewer
 nodes in the same second, and keeps another incumbent.  So each stage's MILP is bounded by its
 *node* count (``stage_node_limit``; stage 1, which fixes the minimum, gets twice), which is the
 same work on any machine, and the wall-clock limits (``stage_time_limit_s``, ``time_limit_s``) sit
-well above it as safety nets.  When one of them does stop the search (a stage's solver, the stage
-loop, stage 1's local search, or an exact pricing), :func:`_leximin` records it in ``clock``, and the
-plan says that it may differ on a faster or slower machine (``Solution.clock_hit``).
+well above it as safety nets.  When a wall-clock limit does stop the search (a stage's solver, the
+stage loop, stage 1's local search, or an exact pricing), :func:`_leximin` records it in ``clock``,
+and the plan says that it may differ on a faster or slower machine (``Solution.clock_hit``).
+HiGHS runs on one thread: on several it explores another tree, and the plan would depend on the
+machine's core count (at 256 GPUs, 1, 2 and 8 threads gave three different placements).
 """
 
 from __future__ import annotations
@@ -178,8 +180,8 @@ def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float, node_limi
     nodes = {} if node_limit is None else {"HIGHS": {"mip_max_nodes": int(node_limit)},
                                            "SCIPY": {"node_limit": int(node_limit)},
                                            "SCIP": {"limits/nodes": int(node_limit)}}.get(solver, {})
-    if solver == "HIGHS":
-        return {"time_limit": t, "mip_rel_gap": mip_rel_gap, "output_flag": False, **nodes}
+    if solver == "HIGHS":  # one thread: HiGHS's search, and so the plan, otherwise depends on the core count
+        return {"time_limit": t, "mip_rel_gap": mip_rel_gap, "output_flag": False, "threads": 1, **nodes}
     if solver == "SCIPY":
         return {"scipy_options": {"time_limit": t, "mip_rel_gap": mip_rel_gap, **nodes}}
     if solver == "SCIP":

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hpcsplit.allocation import device_solver as R
+from hpcsplit.allocation import leximin as L
 from hpcsplit.allocation import patterns as P
 from hpcsplit.allocation.options import build_instance, option_table
 from hpcsplit.allocation.packing import Instance, Pattern, enumerate_patterns, pattern_throughputs
@@ -429,6 +430,9 @@ def test_node_limit_gives_the_same_plan_on_a_busy_machine():
     assert not busy.solve["clock_hit"], busy.solve["clock"]
     assert _placement(busy) == _placement(quiet)
     assert busy.throughput_rps == quiet.throughput_rps
+    # and one thread: HiGHS's tree on several threads depends on the machine's core count
+    opts = L._solver_opts("HIGHS", 5.0, 1e-4, 1000)
+    assert opts["threads"] == 1 and opts["mip_max_nodes"] == 1000, opts
 
 
 def test_without_a_node_limit_a_stopped_stage_is_the_clocks():

@@ -15,6 +15,9 @@ one after the other in any order on any number of workers (``tests/unit/test_sim
 - no worker outlives the call: they end with it, are terminated when it is interrupted (an error, Ctrl-C, a
   SIGTERM handler's exception) rather than left to finish their sessions, and get SIGKILL from the kernel when
   the caller dies (``die_with_parent``);
+- a deadline: when no session finishes for longer than the longest pending one may take (:func:`session_bound_s`,
+  a bound far above a session's real time, by its requests and components), the call ends with an
+  ``HpcsplitError`` (a hung worker: a lock held at the fork, say) and its workers are terminated;
 - progress: a line every :data:`PROGRESS_EVERY_S` seconds while the tasks last longer than that.
 """
 
@@ -34,10 +37,15 @@ from hpcsplit.core.procs import die_with_parent
 from hpcsplit.core.simulator import SimRun, SimSystem, simulate
 from hpcsplit.errors import HpcsplitError
 
-__all__ = ["AUTO_MAX", "SimTask", "auto_workers", "simulate_many"]
+__all__ = ["AUTO_MAX", "SimTask", "auto_workers", "session_bound_s", "simulate_many"]
 
 AUTO_MAX = 8  # workers=None: at most this many processes
 PROGRESS_EVERY_S = 10.0
+# session_bound_s: a session of n requests through k components takes about 80 us a request and component on
+# this project's 2-core VM (256 GPUs x 12 components: 1.47 million events in 16 s); the bound allows 25 times
+# that, plus a floor for a slow machine's first events
+BOUND_FLOOR_S = 120.0
+BOUND_PER_REQUEST_AND_COMPONENT_S = 2e-3
 
 SimTask = tuple[SimSystem, np.ndarray, int]  # (system, arrival offsets in seconds, jitter seed)
 
@@ -57,6 +65,13 @@ def auto_workers(n_tasks: int, workers: int | None = None) -> int:
             workers = os.cpu_count() or 1
         workers = min(workers, AUTO_MAX)
     return max(1, min(int(workers), n_tasks))
+
+
+def session_bound_s(task: SimTask) -> float:
+    """Seconds past which a session is taken for hung (``[Note: simulations in parallel]``): far above what it takes,
+    :data:`BOUND_FLOOR_S` plus :data:`BOUND_PER_REQUEST_AND_COMPONENT_S` per request and component."""
+    system, arr, _ = task
+    return BOUND_FLOOR_S + BOUND_PER_REQUEST_AND_COMPONENT_S * len(arr) * max(1, len(system.components))
 
 
 def _worker(parent: int) -> None:
@@ -92,7 +107,7 @@ def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
                                initargs=(os.getpid(),))
     try:
         pending = {pool.submit(_run, i): i for i in range(len(tasks))}
-        return _collect(pending, n, progress)
+        return _collect(pending, n, progress, [session_bound_s(t) for t in tasks])
     except BaseException:  # an error, Ctrl-C, SIGTERM: the sessions still running are not waited for
         pool.shutdown(wait=False, cancel_futures=True)
         ours = [p for p in multiprocessing.active_children() if p not in before]
@@ -107,14 +122,23 @@ def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
 
 
 def _collect(pending: dict[Future[tuple[SimRun, float]], int], n: int,
-             progress: Callable[[str], None] | None) -> list[tuple[SimRun, float]]:
+             progress: Callable[[str], None] | None, bounds_s: Sequence[float]) -> list[tuple[SimRun, float]]:
     """The results of ``pending`` (future -> task index) in the tasks' order, as the workers finish them; a progress
-    line every :data:`PROGRESS_EVERY_S`."""
+    line every :data:`PROGRESS_EVERY_S`; an error when none finishes within the longest pending one's bound
+    (``bounds_s``, per task)."""
     total = len(pending)
     results: dict[int, tuple[SimRun, float]] = {}
-    t0 = shown = time.perf_counter()
+    t0 = shown = last = time.perf_counter()
     while pending:
-        done, _ = wait(pending, timeout=PROGRESS_EVERY_S, return_when=FIRST_COMPLETED)
+        quiet = max(bounds_s[i] for i in pending.values())  # no pending session may take longer than this
+        left = last + quiet - time.perf_counter()
+        if left <= 0:
+            raise HpcsplitError(
+                f"no simulation finished in {quiet:.3g} s, longer than any of the {len(pending)} left (of {total}) may "
+                f"take: a worker process hung? Rerun with simulate.workers / allocate.sim_workers = 1 (in this process)")
+        done, _ = wait(pending, timeout=min(PROGRESS_EVERY_S, left), return_when=FIRST_COMPLETED)
+        if done:
+            last = time.perf_counter()
         for f in done:
             i = pending.pop(f)
             try:

@@ -821,6 +821,31 @@ def test_an_interrupted_pool_of_simulations_ends_its_workers_at_once(monkeypatch
     assert not [p for p in multiprocessing.active_children() if p not in before]
 
 
+def test_a_hung_simulation_worker_ends_the_call_at_its_deadline(monkeypatch) -> None:
+    """Every wait has a deadline: a worker whose session never ends (a lock held at the fork, say) ends the call
+    with an error once no session has finished for longer than any pending one may take, and no worker is left."""
+    import multiprocessing
+    import time
+
+    from hpcsplit.core import sim_pool
+    from hpcsplit.errors import HpcsplitError
+
+    def hangs(*_a: object, **_k: object) -> None:
+        time.sleep(600)
+
+    system = chain([1.0], free())
+    tasks = [(system, np.zeros(1000), k) for k in range(3)]
+    assert sim_pool.session_bound_s(tasks[0]) == pytest.approx(sim_pool.BOUND_FLOOR_S + 1000 * 2e-3)
+    before = set(multiprocessing.active_children())
+    monkeypatch.setattr(sim_pool, "simulate", hangs)
+    monkeypatch.setattr(sim_pool, "session_bound_s", lambda _t: 0.5)
+    t0 = time.perf_counter()
+    with pytest.raises(HpcsplitError, match=r"no simulation finished in 0.5 s.*3 left \(of 3\).*simulate.workers"):
+        sim_pool.simulate_many(tasks, workers=2, progress=None)
+    assert time.perf_counter() - t0 < 30
+    assert not [p for p in multiprocessing.active_children() if p not in before]
+
+
 def test_the_workers_setting_is_checked() -> None:
     from hpcsplit.errors import ConfigError
     from hpcsplit.launch.simulate import SimulateSettings

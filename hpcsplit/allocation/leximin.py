@@ -25,6 +25,7 @@ machine's core count (at 256 GPUs, 1, 2 and 8 threads gave three different place
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -177,8 +178,8 @@ def _sum_smallest(y: np.ndarray, k: int) -> float:
 
 def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float, node_limit: int | None) -> dict:
     t = max(0.05, float(time_limit_s))
+    # (SCIPY gets none: scipy reports a stop at its node limit as an unknown status, which cvxpy takes for an error)
     nodes = {} if node_limit is None else {"HIGHS": {"mip_max_nodes": int(node_limit)},
-                                           "SCIPY": {"node_limit": int(node_limit)},
                                            "SCIP": {"limits/nodes": int(node_limit)}}.get(solver, {})
     if solver == "HIGHS":  # one thread: HiGHS's search, and so the plan, otherwise depends on the core count
         return {"time_limit": t, "mip_rel_gap": mip_rel_gap, "output_flag": False, "threads": 1, **nodes}
@@ -192,16 +193,25 @@ def _solver_opts(solver: str, time_limit_s: float, mip_rel_gap: float, node_limi
 def _stopped_by_clock(prob: Any, solver: str, node_limit: int | None, elapsed_s: float, time_limit_s: float) -> bool:
     """Whether a solve that did not prove its optimum was stopped by the wall clock, not its node limit.
 
-    HiGHS reports its node count; for other solvers a solve that ran to (nearly) its time limit counts
-    as stopped by it.  Without a node limit, any stop is the clock's."""
+    HiGHS reports its node count.  For other solvers (SCIP) a solve that ran to (nearly) its time limit counts as
+    stopped by it: the solver's own solve time when cvxpy reports it, else ``elapsed_s``.  Without a node limit
+    (SCIPY never has one, see :func:`_solve_milp`) any stop is the clock's."""
     if node_limit is None:
         return True
+    stats = prob.solver_stats
     if solver == "HIGHS":
-        st = prob.solver_stats.extra_stats if prob.solver_stats is not None else None
+        st = stats.extra_stats if stats is not None else None
         raw = st.get("mip_node_count") if isinstance(st, dict) else getattr(st, "mip_node_count", None)
         if isinstance(raw, (int, float, np.integer)):
             return int(raw) < int(node_limit)
-    return elapsed_s >= 0.9 * max(0.05, time_limit_s)
+    took = stats.solve_time if stats is not None and isinstance(stats.solve_time, (int, float)) else elapsed_s
+    return took >= 0.9 * max(0.05, time_limit_s)
+
+
+def _run_solver(prob: Any, solver: str, warm: bool, opts: dict, extra: dict | None) -> None:
+    with warnings.catch_warnings():  # a time-limited solve warns "inaccurate"; we check the point
+        warnings.filterwarnings("ignore", message="Solution may be inaccurate")
+        prob.solve(solver=solver, warm_start=warm, **opts, **(extra or {}))
 
 
 def _solve_milp(
@@ -243,21 +253,32 @@ def _solve_milp(
     if start is not None and solver == "HIGHS":
         x0 = _stage_point(base, k, fixed, start, len(c))[perm]
         warm = _seed_highs(prob, parts, x0)
+    if solver not in ("HIGHS", "SCIP"):  # no node limit (_solver_opts): only the clock bounds the solve
+        node_limit = None
     opts = _solver_opts(solver, time_limit_s, mip_rel_gap, node_limit)
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():  # a time-limited solve warns "inaccurate"; we check the point
-            warnings.filterwarnings("ignore", message="Solution may be inaccurate")
-            prob.solve(solver=solver, warm_start=warm, **opts, **(extra or {}))
-    except cp.error.SolverError as e:
-        return None, f"solver error: {e}", math.inf, False
-    except Exception:
-        if not warm:
-            raise
-        # the warm start went through cvxpy internals; solve again cold rather than fail
-        getattr(prob, "_solver_cache", {}).pop("HIGHS", None)
-        t0 = time.perf_counter()
-        prob.solve(solver=solver, **opts, **(extra or {}))
+        try:
+            _run_solver(prob, solver, warm, opts, extra)
+        except cp.error.SolverError:
+            if solver != "HIGHS":
+                raise
+            # HiGHS keeps one thread scheduler per process, and one that an earlier solve (not ours) sized to
+            # several threads refuses threads=1: start a new one and solve again, cold
+            _reset_highs_scheduler()
+            getattr(prob, "_solver_cache", {}).pop("HIGHS", None)
+            t0 = time.perf_counter()
+            _run_solver(prob, solver, False, opts, extra)
+        except Exception:
+            if not warm:
+                raise
+            # the warm start went through cvxpy internals; solve again cold rather than fail
+            getattr(prob, "_solver_cache", {}).pop("HIGHS", None)
+            t0 = time.perf_counter()
+            _run_solver(prob, solver, False, opts, extra)
+    except cp.error.SolverError as e:  # (a solver stopped by its time limit with no point may end here too)
+        took = time.perf_counter() - t0
+        return None, f"solver error: {e}", math.inf, took >= 0.9 * max(0.05, time_limit_s)
     upper = _dual_bound(prob)
     clock = str(prob.status) not in ("optimal", "infeasible", "unbounded") and _stopped_by_clock(
         prob, solver, node_limit, time.perf_counter() - t0, time_limit_s)
@@ -291,6 +312,13 @@ def _stage_point(base: _Base, k: int, fixed: Mapping[int, float], z: np.ndarray,
         for t, j in enumerate(ks):
             x[n0 + m + t * na : n0 + m + (t + 1) * na] = np.maximum(0.0, ys[j - 1] - y)
     return x
+
+
+def _reset_highs_scheduler() -> None:
+    with contextlib.suppress(Exception):  # an older highspy: the retry fails as the first solve did
+        import highspy as hp
+
+        hp.Highs.resetGlobalScheduler(True)
 
 
 def _seed_highs(prob: Any, parts: Sequence[Any], x0: np.ndarray) -> bool:

@@ -344,8 +344,10 @@ def price_pattern(
         options={"mip_rel_gap": 1e-7, **({"time_limit": time_limit_s} if time_limit_s else {}),
                  **({"node_limit": int(node_limit)} if node_limit is not None else {})},
     )
+    # stopped: 1 at the time limit, 4 at the node limit (scipy has no status of its own for that one); the
+    # clock's when the node count did not reach the limit
     nodes = getattr(res, "mip_node_count", None)
-    clock = res.status == 1 and (node_limit is None or nodes is None or int(nodes) < int(node_limit))
+    clock = res.status in (1, 4) and (node_limit is None or nodes is None or int(nodes) < int(node_limit))
     if res.x is None:  # pragma: no cover - the empty pattern is always feasible
         return (0.0, (), math.inf, clock) if with_bound else (0.0, ())
     upper = -float(getattr(res, "mip_dual_bound", None) or res.fun) if res.status != 0 else -float(res.fun)

@@ -232,9 +232,9 @@ def _solve(
     except _Infeasible as e:
         if "limit" in str(e):
             raise AllocationError(
-                f"no placement found within the time limit (stage 1 status {e}); raise allocate.time_limit_s "
-                f"(now {s.time_limit_s:g}) or allocate.stage_time_limit_s (now {s.stage_time_limit_s}), "
-                "or try allocate.solver=SCIPY"
+                f"no placement found within the limits (stage 1 status {e}); raise allocate.stage_node_limit "
+                f"(now {s.stage_node_limit}), allocate.time_limit_s (now {s.time_limit_s:g}) or "
+                f"allocate.stage_time_limit_s (now {s.stage_time_limit_s}), or try allocate.solver=SCIPY"
             ) from e
         raise AllocationInfeasibleError(_infeasible_message(table, cluster, str(e))) from e
     except Exception as e:  # cvxpy / scipy failures

@@ -127,8 +127,11 @@ def main(argv: list[str]) -> int:
                 base = base or al.min_normalised_throughput
                 ratio = al.min_normalised_throughput / base if base else float("nan")
                 # NODES: a stage stopped at its node limit (the same plan anywhere); CLOCK: a wall-clock limit
-                # stopped the search, and the plan may differ on another machine
-                note = "CLOCK" if al.solve["clock_hit"] else "NODES" if al.solve["limit_hit"] else ""
+                # stopped the search, and the plan may differ on another machine; STOPPED: a stage ended otherwise
+                # (a solver error: the previous stage's solution kept)
+                at_nodes = any(st["status"] == "user_limit" for st in al.solve["stages"])
+                note = ("CLOCK" if al.solve["clock_hit"] else "NODES" if al.solve["limit_hit"] and at_nodes
+                        else "STOPPED" if al.solve["limit_hit"] else "")
                 if len(solvers) > 1 and s != solvers[0]:
                     note += f" min/{solvers[0]}={ratio:.4f}"
                 print(

@@ -845,6 +845,16 @@ def test_a_hung_simulation_worker_ends_the_call_at_its_deadline(monkeypatch) -> 
     assert time.perf_counter() - t0 < 30
     assert not [p for p in multiprocessing.active_children() if p not in before]
 
+    # the deadline counts from the last session that finished: sessions of 0.3 s each, 0.9 s in all on two workers,
+    # pass a bound of 0.5 s
+    def steady(*_a: object, **_k: object) -> None:
+        time.sleep(0.3)
+
+    monkeypatch.setattr(sim_pool, "simulate", steady)
+    t0 = time.perf_counter()
+    out = sim_pool.simulate_many([(system, np.zeros(1), k) for k in range(6)], workers=2, progress=None)
+    assert len(out) == 6 and time.perf_counter() - t0 > 0.5
+
 
 def test_the_workers_setting_is_checked() -> None:
     from hpcsplit.errors import ConfigError

@@ -452,6 +452,19 @@ def test_a_stage_the_clock_stopped_is_named_and_the_plan_says_so(monkeypatch):
     assert al.solve["clock_hit"] and any("set allocate.stage_node_limit" in n for n in al.solve["notes"])
 
 
+def test_allocate_after_a_highs_solve_on_several_threads():
+    """HiGHS keeps one thread scheduler per process: after someone's solve on two threads, the allocator's
+    one-thread solves start a new scheduler instead of failing."""
+    import cvxpy as cp
+
+    x = cp.Variable(3, integer=True)
+    cp.Problem(cp.Maximize(cp.sum(x)), [x <= 2.5]).solve(solver="HIGHS", threads=2)
+    prof, cl = synthetic_profile(3, seed=1), synthetic_cluster(4)
+    al = allocate(prof, cl)
+    assert not al.solve["limit_hit"] and al.solve["stages"][0]["status"] == "optimal", al.solve
+    validate_plan(al.to_plan(), prof, cl)
+
+
 def test_scipy_runs_without_a_node_limit():
     """scipy reports a stop at its node limit as an unknown status (cvxpy: a solver error): SCIPY gets no node limit
     and still finds the plan HiGHS finds on a small case."""

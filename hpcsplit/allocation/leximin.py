@@ -26,6 +26,7 @@ machine's core count (at 256 GPUs, 1, 2 and 8 threads gave three different place
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import warnings
@@ -40,6 +41,9 @@ from hpcsplit.allocation.packing import Instance, Pattern
 
 __all__ = ["Solution", "StageInfo"]
 
+log = logging.getLogger(__name__)
+
+PROGRESS_AFTER_S = 2.0  # a solve that has run this long logs a line after each stage
 _IMPROVE_ROUNDS = 8  # local-search rounds around stage 1's integer solution
 _IMPROVE_GAP = 0.05  # ... when it is this far below the LP bound (few devices per component)
 
@@ -490,6 +494,9 @@ def _leximin(
         z_best = z
         stages.append(StageInfo(k, val, bound, status, time.perf_counter() - ts, n_patterns()))
         fixed[k] = val - tol * max(1.0, abs(val))
+        if (now := time.perf_counter()) - t0 >= PROGRESS_AFTER_S:  # long work shows progress
+            log.info("allocate: leximin stage %d of %d (the %d smallest) %s in %.1f s; %.0f s so far (time_limit_s %g)",
+                     pos + 1, len(seq), k, status, now - ts, now - t0, time_limit_s)
     assert z_best is not None
     return z_best, stages, hit
 

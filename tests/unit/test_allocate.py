@@ -456,13 +456,24 @@ def test_allocate_after_a_highs_solve_on_several_threads():
     """HiGHS keeps one thread scheduler per process: after someone's solve on two threads, the allocator's
     one-thread solves start a new scheduler instead of failing."""
     import cvxpy as cp
+    import highspy
 
+    highspy.Highs.resetGlobalScheduler(True)  # as in a fresh process (earlier tests sized it to one thread)
     x = cp.Variable(3, integer=True)
     cp.Problem(cp.Maximize(cp.sum(x)), [x <= 2.5]).solve(solver="HIGHS", threads=2)
     prof, cl = synthetic_profile(3, seed=1), synthetic_cluster(4)
     al = allocate(prof, cl)
     assert not al.solve["limit_hit"] and al.solve["stages"][0]["status"] == "optimal", al.solve
     validate_plan(al.to_plan(), prof, cl)
+
+
+def test_a_long_solve_logs_each_stage(monkeypatch, caplog):
+    monkeypatch.setattr(L, "PROGRESS_AFTER_S", 0.0)  # (2 s: a small solve stays quiet)
+    with caplog.at_level("INFO", logger="hpcsplit.allocation.leximin"):
+        al = allocate(synthetic_profile(3, seed=1), synthetic_cluster(4))
+    lines = [r.getMessage() for r in caplog.records if "leximin stage" in r.getMessage()]
+    assert len(lines) == len(al.solve["stages"]) == 3, lines
+    assert lines[0].startswith("allocate: leximin stage 1 of 3 (the 1 smallest) optimal in "), lines
 
 
 def test_scipy_runs_without_a_node_limit():

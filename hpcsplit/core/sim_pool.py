@@ -114,7 +114,11 @@ def simulate_many(tasks: Sequence[SimTask], workers: int | None = None,
         for p in ours:
             p.terminate()
         for p in ours:
-            p.join(5.0)
+            p.join(2.0)
+        for p in ours:  # one that outlived SIGTERM (it came before the worker's start reset the handler it inherited)
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
         raise
     finally:
         pool.shutdown(wait=True)

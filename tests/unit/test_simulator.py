@@ -845,15 +845,52 @@ def test_a_hung_simulation_worker_ends_the_call_at_its_deadline(monkeypatch) -> 
     assert time.perf_counter() - t0 < 30
     assert not [p for p in multiprocessing.active_children() if p not in before]
 
-    # the deadline counts from the last session that finished: sessions of 0.3 s each, 0.9 s in all on two workers,
-    # pass a bound of 0.5 s
+    # the deadline counts from the last session that finished: sessions of 0.8 s each, 2.4 s in all on two workers,
+    # pass a bound of 2 s (the first one finishes 0.8 s after the workers start)
     def steady(*_a: object, **_k: object) -> None:
-        time.sleep(0.3)
+        time.sleep(0.8)
 
     monkeypatch.setattr(sim_pool, "simulate", steady)
+    monkeypatch.setattr(sim_pool, "session_bound_s", lambda _t: 2.0)
     t0 = time.perf_counter()
     out = sim_pool.simulate_many([(system, np.zeros(1), k) for k in range(6)], workers=2, progress=None)
-    assert len(out) == 6 and time.perf_counter() - t0 > 0.5
+    assert len(out) == 6 and time.perf_counter() - t0 > 2.0
+
+
+def test_a_worker_that_outlives_sigterm_is_killed(monkeypatch) -> None:
+    """A worker that got SIGTERM before its start reset the handler it inherited (here: a caller whose SIGTERM
+    handler does nothing, and no reset) is killed once it outlives SIGTERM: no worker outlives the call."""
+    import multiprocessing
+    import signal
+    import time
+
+    from hpcsplit.core import sim_pool
+    from hpcsplit.errors import HpcsplitError
+
+    def hangs(*_a: object, **_k: object) -> None:
+        time.sleep(600)
+
+    seen: list[multiprocessing.process.BaseProcess] = []
+    real_collect = sim_pool._collect
+    before = set(multiprocessing.active_children())
+
+    def collect(*a: object, **k: object) -> object:
+        seen.extend(p for p in multiprocessing.active_children() if p not in before)
+        return real_collect(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_pool, "_collect", collect)
+    monkeypatch.setattr(sim_pool, "_worker", lambda _parent: None)  # keeps the caller's handlers
+    monkeypatch.setattr(sim_pool, "simulate", hangs)
+    monkeypatch.setattr(sim_pool, "session_bound_s", lambda _t: 0.5)
+    old = signal.signal(signal.SIGTERM, lambda _s, _f: None)
+    try:
+        with pytest.raises(HpcsplitError, match="no simulation finished"):
+            sim_pool.simulate_many([(chain([1.0], free()), np.zeros(1), k) for k in range(2)], workers=2,
+                                   progress=None)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert len(seen) == 2 and all(p.exitcode == -signal.SIGKILL for p in seen), [p.exitcode for p in seen]
+    assert not [p for p in multiprocessing.active_children() if p not in before]
 
 
 def test_the_workers_setting_is_checked() -> None:
